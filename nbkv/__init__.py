@@ -1,0 +1,45 @@
+"""nbkv: a KV cache for transformer decoding, on Numba CPU and CUDA kernels.
+
+>>> import numpy as np, nbkv
+>>> cache = nbkv.LayerKVCache(128, batch=1, num_kv_heads=8, head_dim=64, dtype="float32")
+>>> k = np.random.default_rng(0).standard_normal((1, 8, 5, 64), dtype=np.float32)
+>>> cache.append(k, k)
+>>> K, V = cache.get_kv()
+>>> K.shape, cache.seq_len, cache.max_seq_len, cache.nbytes
+((1, 8, 5, 64), 5, 128, 524288)
+"""
+
+from .cache import DEFAULT_MAX_SEQ_LEN, KVCache, LayerKVCache
+from .dtypes import supported_dtypes
+from .errors import (
+    ArgumentTypeError,
+    BackendUnavailableError,
+    CacheOverflowError,
+    DeviceMismatchError,
+    DTypeMismatchError,
+    InvalidArgumentError,
+    KVCacheError,
+    LayerIndexError,
+    ShapeMismatchError,
+)
+from .layout import LAYOUTS
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_MAX_SEQ_LEN",
+    "LAYOUTS",
+    "LayerKVCache",
+    "KVCache",
+    "supported_dtypes",
+    "KVCacheError",
+    "CacheOverflowError",
+    "ShapeMismatchError",
+    "DTypeMismatchError",
+    "BackendUnavailableError",
+    "DeviceMismatchError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
+    "LayerIndexError",
+    "__version__",
+]

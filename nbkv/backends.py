@@ -1,0 +1,218 @@
+"""Backends: where buffers live, which kernel runs, and the host side of a launch.
+
+A backend is chosen once, when a cache is built (``device="cpu"`` or ``"cuda"``). Caches
+talk to it with plain arrays and ints; it never validates shapes (the cache has done so)
+but it does decide whether an input lives on its device.
+
+Arrays come in three forms here:
+
+- *user* arrays: what the caller passed and what ``get_kv`` returns (logical dtype; on
+  CUDA, 16-bit floats are stored as ``uint16`` because Numba has no bfloat16 device array);
+- *kernel* arrays: the same memory seen with :func:`nbkv.dtypes.kernel_dtype`
+  (``uint16`` for 16-bit floats), which is what kernels are called with.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from . import _config
+from .dtypes import kernel_dtype
+from .errors import (
+    ArgumentTypeError,
+    BackendUnavailableError,
+    DeviceMismatchError,
+    InvalidArgumentError,
+)
+from .kernels import cpu as cpu_kernels
+
+__all__ = ["DEVICES", "get_backend", "CPUBackend", "CUDABackend", "launch_config"]
+
+DEVICES = ("cpu", "cuda")
+
+
+def _not_an_array(x: Any, name: str) -> ArgumentTypeError:
+    return ArgumentTypeError(
+        f"{name} must be an array (numpy.ndarray, or anything numpy.asarray takes "
+        f"without copying, such as a CPU torch tensor), got {type(x).__name__}"
+    )
+
+
+def _host_array(x: Any, name: str) -> np.ndarray:
+    """``x`` as a NumPy array without a copy; raise if it is no array."""
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, (list, tuple)) or np.isscalar(x) or x is None:
+        raise _not_an_array(x, name)
+    if hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
+        try:
+            return np.asarray(x)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ArgumentTypeError(
+                f"{name} ({type(x).__name__}) cannot be seen as a NumPy array: {err}"
+            ) from None
+    raise _not_an_array(x, name)
+
+
+class CPUBackend:
+    """Buffers are NumPy arrays in host memory; kernels are :mod:`nbkv.kernels.cpu`."""
+
+    name = "cpu"
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """An uninitialised buffer (user form)."""
+        return np.empty(shape, dtype)
+
+    def adopt(self, x: Any, name: str) -> np.ndarray:
+        """``x`` as an array this backend can read, without copying, or a typed error."""
+        if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
+            raise DeviceMismatchError(
+                f"{name} is a CUDA array but this cache lives on the cpu; copy it to the "
+                f"host first or build the cache with device='cuda'"
+            )
+        return _host_array(x, name)
+
+    def kernel_view(self, x: np.ndarray) -> np.ndarray:
+        """The kernel form of an adopted array or a buffer (a view, never a copy)."""
+        kd = kernel_dtype(x.dtype)
+        return x if kd == x.dtype else x.view(kd)
+
+    to_kernel = kernel_view  # host arrays are already where CPU kernels read them
+
+    @staticmethod
+    def kv_writer(layout: str):
+        """The kernel that writes K and V in ``layout``: ``f(k, v, pos, k_cache, v_cache)``."""
+        return cpu_kernels.write_kv if layout == "bhsd" else cpu_kernels.write_kv_bshd
+
+    def write_kv(self, layout, k, v, pos, k_cache, v_cache) -> None:
+        """Write kernel-form ``k``, ``v`` at ``pos`` into kernel-form caches."""
+        self.kv_writer(layout)(k, v, pos, k_cache, v_cache)
+
+    def write_cache(self, layout, x, pos, cache) -> None:
+        """Write one kernel-form array at ``pos`` into a kernel-form cache."""
+        if layout == "bhsd":
+            cpu_kernels.write_cache(x, pos, cache)
+        else:
+            cpu_kernels.write_cache_bshd(x, pos, cache)
+
+
+def launch_config(n_elements: int) -> tuple[int, int]:
+    """``(blocks, threads_per_block)`` for a grid-stride kernel over ``n_elements``.
+
+    Blocks hold ``_config.THREADS_PER_BLOCK`` threads (fewer, in whole warps, for a small
+    launch such as one decode token); the grid is capped at ``_config.MAX_BLOCKS``.
+    """
+    warps = math.ceil(max(n_elements, 1) / _config.WARP)
+    threads = min(_config.THREADS_PER_BLOCK, warps * _config.WARP)
+    blocks = min(math.ceil(max(n_elements, 1) / threads), _config.MAX_BLOCKS)
+    return blocks, threads
+
+
+class CUDABackend:
+    """Buffers are Numba device arrays; kernels are :mod:`nbkv.kernels.cuda`.
+
+    Host<->device copies happen only in :meth:`to_kernel` (a host input, once) and where
+    the caller asks for them; everything else stays on the device.
+    """
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        simulated = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+        if not simulated and importlib.util.find_spec("numba_cuda") is None:
+            raise BackendUnavailableError(
+                "device='cuda' needs numba-cuda: pip install 'nbkv[cuda]' "
+                "(or set NUMBA_ENABLE_CUDASIM=1 before numba is imported to run the "
+                "CUDA code on the CPU simulator)"
+            )
+        from numba import cuda
+
+        if not cuda.is_available():
+            raise BackendUnavailableError(
+                "device='cuda' was asked for, but no CUDA GPU is usable in this process "
+                "and the CUDA simulator is off; on a machine without a GPU, set the "
+                "environment variable NUMBA_ENABLE_CUDASIM=1 before numba is first "
+                "imported to run the CUDA kernels on the simulator"
+            )
+        from numba.cuda.cudadrv.devicearray import is_cuda_ndarray
+
+        from .kernels import cuda as cuda_kernels
+
+        self._cuda = cuda
+        self._is_device_array = is_cuda_ndarray
+        self._kernels = cuda_kernels
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype):
+        """An uninitialised device buffer; 16-bit floats stored as ``uint16``."""
+        return self._cuda.device_array(shape, self.stored_dtype(dtype))
+
+    @staticmethod
+    def stored_dtype(dtype: np.dtype) -> np.dtype:
+        """What a device buffer of ``dtype`` holds: bfloat16 as ``uint16`` bit patterns.
+
+        Numba has no bfloat16 device array; float16 it has, so torch and CuPy see fp16.
+        """
+        return dtype if dtype.kind == "f" else np.dtype(np.uint16)
+
+    def adopt(self, x: Any, name: str):
+        """A device array (no copy) or a host array (copied later, in :meth:`to_kernel`)."""
+        if self._is_device_array(x):
+            return x
+        if hasattr(x, "__cuda_array_interface__"):
+            return self._cuda.as_cuda_array(x)
+        return _host_array(x, name)
+
+    def is_host(self, x: Any) -> bool:
+        return isinstance(x, np.ndarray)
+
+    def kernel_view(self, x):
+        """The kernel form of a device array (a view, never a copy)."""
+        kd = kernel_dtype(np.dtype(x.dtype))
+        return x if kd == x.dtype else x.view(kd)
+
+    def to_kernel(self, x):
+        """Kernel form on the device: device arrays as views, host arrays copied once."""
+        if isinstance(x, np.ndarray):
+            host = x.view(kernel_dtype(x.dtype))
+            # the one explicit host->device copy of an append (contiguous for the DMA)
+            return self._cuda.to_device(np.ascontiguousarray(host))
+        return self.kernel_view(x)
+
+    def write_kv(self, layout, k, v, pos, k_cache, v_cache) -> None:
+        kernel = (
+            self._kernels.write_kv_kernel
+            if layout == "bhsd"
+            else self._kernels.write_kv_bshd_kernel
+        )
+        blocks, threads = launch_config(int(np.prod(k.shape)))
+        kernel[blocks, threads](k, v, pos, k_cache, v_cache)
+
+    def write_cache(self, layout, x, pos, cache) -> None:
+        kernel = (
+            self._kernels.write_cache_kernel
+            if layout == "bhsd"
+            else self._kernels.write_cache_bshd_kernel
+        )
+        blocks, threads = launch_config(int(np.prod(x.shape)))
+        kernel[blocks, threads](x, pos, cache)
+
+
+_CPU = CPUBackend()
+_CUDA: CUDABackend | None = None
+
+
+def get_backend(device: object) -> CPUBackend | CUDABackend:
+    """The backend for ``device`` ("cpu" or "cuda"), or a typed error."""
+    global _CUDA
+    if device == "cpu":
+        return _CPU
+    if device == "cuda":
+        if _CUDA is None:
+            _CUDA = CUDABackend()
+        return _CUDA
+    raise InvalidArgumentError(f"device must be one of {DEVICES}, got {device!r}")
