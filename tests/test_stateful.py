@@ -1,0 +1,179 @@
+"""Random sequences of cache operations against a plain-NumPy model of the cache.
+
+The model is what a cache must be: the positions held (grown by concatenation, see
+nbkv.reference), the capacity, and the sizes fixed by the constructor or the first write.
+After every step the cache must hold exactly what the model holds; every step that the
+model says must fail must raise the expected nbkv error and change nothing.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+from conftest import DEVICE, LAYOUTS, assert_bits_equal, dtype_of, randn, shape_of
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import nbkv
+from nbkv import reference
+
+DTYPES = ["float32", "float64", "float16", "bfloat16"]
+SEQ = {"bhsd": 2, "bshd": 1}
+
+
+class CacheMachine(RuleBasedStateMachine):
+    @initialize(
+        layout=st.sampled_from(LAYOUTS),
+        dtype=st.sampled_from(DTYPES),
+        dims=st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(1, 5)),
+        max_seq_len=st.integers(1, 12),
+        eager=st.booleans(),
+        seed=st.integers(0, 2**32 - 1),
+    )
+    def build(self, layout, dtype, dims, max_seq_len, eager, seed):
+        self.rng = np.random.default_rng(seed)
+        self.layout, self.dtype, self.cap = layout, dtype_of(dtype), max_seq_len
+        self.dims = dims  # (batch, num_kv_heads, head_dim) the machine writes
+        kw = dict(device=DEVICE, layout=layout)
+        if eager:
+            kw.update(batch=dims[0], num_kv_heads=dims[1], head_dim=dims[2], dtype=dtype)
+        self.cache = nbkv.LayerKVCache(max_seq_len, **kw)
+        self.fixed = (dims, self.dtype) if eager else None  # constructor's constraint
+        self.sizes = self.fixed  # what the buffers hold, once allocated
+        self.allocated = eager
+        self.K = self.V = None  # the model's positions held (None: none)
+        self.twin = None  # a copy and the model state it must keep
+
+    # -- helpers -------------------------------------------------------------------
+
+    def arrays(self, n, dims=None, dtype=None):
+        b, h, d = dims or self.dims
+        shape = shape_of(self.layout, b, h, n, d)
+        dtype = dtype or self.dtype
+        return randn(self.rng, shape, dtype), randn(self.rng, shape, dtype)
+
+    @property
+    def seq_len(self):
+        return 0 if self.K is None else self.K.shape[SEQ[self.layout]]
+
+    def expect_error(self, error, call):
+        try:
+            call()
+        except error:
+            return
+        raise AssertionError(f"expected {error.__name__}")
+
+    # -- rules ---------------------------------------------------------------------
+
+    @rule(n=st.integers(0, 14))
+    def append(self, n):
+        k, v = self.arrays(n)
+        if self.seq_len + n > self.cap:
+            self.expect_error(nbkv.CacheOverflowError, lambda: self.cache.append(k, v))
+            return
+        self.cache.append(k, v)
+        if n == 0:
+            return
+        if not self.allocated:
+            self.allocated, self.sizes = True, (self.dims, self.dtype)
+        if self.K is None:
+            self.K, self.V = reference.empty_kv(*self.dims[:2], self.dims[2], self.dtype, self.layout)
+        self.K, self.V = reference.append(self.K, self.V, k, v, self.layout)
+
+    @rule(n=st.integers(1, 3), which=st.sampled_from(["head_dim", "dtype", "seq", "ndim", "list"]))
+    def bad_append(self, n, which):
+        k, v = self.arrays(n)
+        if which == "head_dim":
+            b, h, d = self.dims
+            k, v = self.arrays(n, dims=(b, h, d + 1))
+            if self.sizes is None:  # a lazy, unallocated cache takes any consistent shape
+                return
+            error = nbkv.ShapeMismatchError
+        elif which == "dtype":
+            other = np.float32 if self.dtype != np.float32 else np.float64
+            k, v = self.arrays(n, dtype=other)
+            if self.sizes is None:
+                return
+            error = nbkv.DTypeMismatchError
+        elif which == "seq":
+            v = self.arrays(n + 1)[1]
+            error = nbkv.ShapeMismatchError
+        elif which == "ndim":
+            k = k[0]
+            error = nbkv.ShapeMismatchError
+        else:
+            k = k.tolist()
+            error = nbkv.ArgumentTypeError
+        self.expect_error(error, lambda: self.cache.append(k, v))
+
+    @rule()
+    def clear(self):
+        self.cache.clear()
+        self.K = self.V = None
+
+    @rule()
+    def deallocate(self):
+        self.cache.deallocate()
+        self.K = self.V = None
+        # buffers freed; what the constructor fixed still constrains the next write
+        self.allocated, self.sizes = False, self.fixed
+
+    @rule(n=st.integers(0, 4))
+    def copy_then_diverge(self, n):
+        twin = self.cache.copy()
+        state = (self.K, self.V)
+        if n and self.allocated and self.seq_len + n <= self.cap:
+            k, v = self.arrays(n)
+            twin.append(k, v)  # must not show in the original
+            state = reference.append(*state, k, v, self.layout) if self.K is not None else (k, v)
+        self.twin = (twin, state)
+
+    @precondition(lambda self: self.twin is not None)
+    @rule()
+    def check_twin(self):
+        twin, (K, V) = self.twin
+        self.check(twin, K, V)
+
+    @rule(n=st.integers(0, 14))
+    def set_k_then_set_v(self, n):
+        K, V = self.arrays(n)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            if n > self.cap:
+                self.expect_error(nbkv.CacheOverflowError, lambda: self.cache.set_k(K))
+                return
+            self.cache.set_k(K)
+            if not self.allocated:
+                self.allocated, self.sizes = True, (self.dims, self.dtype)
+            bad = self.arrays(n + 1)[1]
+            self.expect_error(nbkv.ShapeMismatchError, lambda: self.cache.set_v(bad))
+            self.cache.set_v(V)
+        self.K, self.V = (K, V) if n else (None, None)
+
+    # -- the cache must be the model -----------------------------------------------
+
+    def check(self, cache, K, V):
+        n = 0 if K is None else K.shape[SEQ[self.layout]]
+        assert cache.seq_len == n == len(cache)
+        kv = cache.get_kv()
+        if n == 0:
+            assert kv is None and cache.is_empty
+        else:
+            assert_bits_equal(kv[0], K)
+            assert_bits_equal(kv[1], V)
+
+    @invariant()
+    def matches_the_model(self):
+        if not hasattr(self, "cache"):
+            return
+        self.check(self.cache, self.K, self.V)
+        assert self.cache.is_allocated == self.allocated
+        assert self.cache.max_seq_len == self.cap
+        if self.allocated:
+            b, h, d = self.dims
+            assert self.cache.shape == shape_of(self.layout, b, h, self.cap, d)
+            assert self.cache.nbytes == 2 * b * h * self.cap * d * self.dtype.itemsize
+
+
+TestCacheMachine = CacheMachine.TestCase
