@@ -35,7 +35,9 @@ def test_steady_state_appends_allocate_nothing(rng):
 
 def test_steady_state_strided_and_16bit_appends_allocate_nothing(rng):
     # the validated path (no fast path): bshd views of bhsd data, 16-bit bit patterns
-    cache = nbkv.LayerKVCache(512, batch=2, num_kv_heads=4, head_dim=64, dtype="float16", layout="bshd")
+    cache = nbkv.LayerKVCache(
+        512, batch=2, num_kv_heads=4, head_dim=64, dtype="float16", layout="bshd"
+    )
     k = randn(rng, (2, 4, 1, 64), "float16").transpose(0, 2, 1, 3)
     cache.append(k, k)
     tracemalloc.start()

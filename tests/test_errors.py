@@ -166,6 +166,8 @@ def test_bad_max_seq_len_raises(value, error):
     assert repr(value) in str(info.value) or str(value) in str(info.value)
     with pytest.raises(error, match="max_seq_len"):
         nbkv.KVCache(2, value, device=DEVICE)
+    with pytest.raises(error, match="max_seq_len"):
+        nbkv.LayerKVCache.with_capacity(value, device=DEVICE)
 
 
 @pytest.mark.parametrize("name", ["batch", "num_kv_heads", "head_dim"])

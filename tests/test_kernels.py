@@ -37,7 +37,9 @@ def test_write_kv_matches_reference_and_touches_nothing_else(
     index = [slice(None)] * 4
     index[SEQ[layout]] = slice(pos, pos + n)
     want_k[tuple(index)], want_v[tuple(index)] = k, v
-    WRITE_KV[layout](kernel_form(k), kernel_form(v), pos, kernel_form(k_cache), kernel_form(v_cache))
+    WRITE_KV[layout](
+        kernel_form(k), kernel_form(v), pos, kernel_form(k_cache), kernel_form(v_cache)
+    )
     np.testing.assert_array_equal(kernel_form(k_cache), kernel_form(want_k))
     np.testing.assert_array_equal(kernel_form(v_cache), kernel_form(want_v))
 

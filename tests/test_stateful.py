@@ -78,7 +78,9 @@ class CacheMachine(RuleBasedStateMachine):
         if not self.allocated:
             self.allocated, self.sizes = True, (self.dims, self.dtype)
         if self.K is None:
-            self.K, self.V = reference.empty_kv(*self.dims[:2], self.dims[2], self.dtype, self.layout)
+            self.K, self.V = reference.empty_kv(
+                *self.dims[:2], self.dims[2], self.dtype, self.layout
+            )
         self.K, self.V = reference.append(self.K, self.V, k, v, self.layout)
 
     @rule(n=st.integers(1, 3), which=st.sampled_from(["head_dim", "dtype", "seq", "ndim", "list"]))
