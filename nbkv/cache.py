@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import layout as _layout
+from ._units import human_bytes
 from ._validate import optional_positive_int, positive_int
 from .backends import get_backend
 from .dtypes import check_supported, resolve_dtype
@@ -34,13 +35,6 @@ _AXES = {
     "bhsd": "[batch, num_kv_heads, seq, head_dim]",
     "bshd": "[batch, seq, num_kv_heads, head_dim]",
 }
-
-
-def _human(nbytes: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.1f} {unit}"
-    return f"{nbytes} B"
 
 
 class LayerKVCache:
@@ -209,7 +203,7 @@ class LayerKVCache:
             f"{type(self).__name__}(shape={shape}, dtype={self._dtype}, "
             f"device={self.device!r}, layout={self._layout!r}, "
             f"seq_len={self._seq_len}/{self._max_seq_len}, "
-            f"nbytes={self.nbytes} ({_human(self.nbytes)}))"
+            f"nbytes={self.nbytes} ({human_bytes(self.nbytes)}))"
         )
 
     # -- validation ------------------------------------------------------------------
@@ -553,5 +547,5 @@ class KVCache:
             f"KVCache(num_layers={self.num_layers}, layer_shape={shape}, dtype={self.dtype}, "
             f"device={self.device!r}, layout={self.layout!r}, "
             f"seq_len={self.seq_len}/{self.max_seq_len}, "
-            f"nbytes={self.nbytes} ({_human(self.nbytes)}))"
+            f"nbytes={self.nbytes} ({human_bytes(self.nbytes)}))"
         )

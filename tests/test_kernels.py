@@ -24,7 +24,7 @@ def kernel_form(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 @pytest.mark.parametrize("batch,heads,head_dim", [(1, 1, 1), (2, 3, 5), (1, 8, 128)])
-@pytest.mark.parametrize("pos,n", [(0, 1), (3, 7), (0, 12)])
+@pytest.mark.parametrize("pos,n", [(0, 1), (3, 7), (0, 12), (2, 40)])  # 40: prefill-sized
 def test_write_kv_matches_reference_and_touches_nothing_else(
     rng, layout, dtype, batch, heads, head_dim, pos, n
 ):
