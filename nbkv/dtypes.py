@@ -55,8 +55,10 @@ def resolve_dtype(dtype: object, name: str = "dtype") -> np.dtype:
     try:
         resolved = np.dtype(dtype)  # type: ignore[arg-type]
     except TypeError:
-        raise DTypeMismatchError(f"{name} must be one of {_names()}, got {dtype!r}") from None
-    return check_supported(resolved, name)
+        resolved = None
+    if resolved not in supported_dtypes():
+        raise DTypeMismatchError(f"{name} must be one of {_names()}, got {dtype!r}")
+    return resolved
 
 
 def check_supported(dtype: np.dtype, name: str) -> np.dtype:
