@@ -56,7 +56,7 @@ def resolve_dtype(dtype: object, name: str = "dtype") -> np.dtype:
         resolved = np.dtype(dtype)  # type: ignore[arg-type]
     except TypeError:
         resolved = None
-    if resolved not in supported_dtypes():
+    if resolved is None or resolved not in supported_dtypes():
         raise DTypeMismatchError(f"{name} must be one of {_names()}, got {dtype!r}")
     return resolved
 
