@@ -127,7 +127,7 @@ class LayerKVCache:
         self._k = self._v = None  # buffers as users see them
         self._kk = self._vk = None  # the same memory in kernel form
         self._seq_len = 0
-        self._fast_shape = None  # see append()
+        self._fast = None  # see append()
 
     def _allocate(self, batch: int, num_kv_heads: int, head_dim: int, dtype: np.dtype) -> None:
         shape = _layout.buffer_shape(self._layout, batch, num_kv_heads, self._max_seq_len, head_dim)
@@ -222,7 +222,7 @@ class LayerKVCache:
         """The logical dtype of an adopted array, checked against the cache's."""
         dtype = np.dtype(arr.dtype)
         want = self._dtype
-        if dtype == want:
+        if want is not None and dtype == want:
             return dtype
         if (
             want is not None
@@ -308,21 +308,22 @@ class LayerKVCache:
         # Fast path for the decode loop: host arrays of the very shape and dtype the last
         # append validated need only the room check. It is taken on the CPU backend for
         # dtypes kernels read as they are; anything else goes through every check below.
-        shape = self._fast_shape
         pos = self._seq_len
-        if (
-            shape is not None
-            and type(k) is _ndarray
-            and type(v) is _ndarray
-            and k.shape == shape
-            and v.shape == shape
-            and k.dtype is self._dtype
-            and v.dtype is self._dtype
-            and pos <= self._fast_last_pos
-        ):
-            self._fast_write(k, v, pos, self._kk, self._vk)
-            self._seq_len = pos + shape[self._seq_axis]
-            return
+        fast = self._fast
+        if fast is not None:
+            shape, dtype, last_pos, n, write, k_buf, v_buf = fast
+            if (
+                type(k) is _ndarray
+                and type(v) is _ndarray
+                and k.shape == shape
+                and v.shape == shape
+                and k.dtype is dtype
+                and v.dtype is dtype
+                and pos <= last_pos
+            ):
+                write(k, v, pos, k_buf, v_buf)
+                self._seq_len = pos + n
+                return
         k, v, d, dtype = self._check_pair(k, v)
         self._check_room(d.seq, pos, "append")
         if d.seq == 0:
@@ -332,10 +333,11 @@ class LayerKVCache:
         be = self._backend
         be.write_kv(self._layout, be.to_kernel(k), be.to_kernel(v), pos, self._kk, self._vk)
         self._seq_len = pos + d.seq
-        if be.name == "cpu" and type(k) is np.ndarray and type(v) is np.ndarray:
-            if self._kk.dtype == self._dtype:
-                self._fast_shape, self._fast_last_pos = k.shape, self._max_seq_len - d.seq
-                self._fast_write = be.kv_writer(self._layout)
+        if be.name == "cpu" and type(k) is _ndarray and type(v) is _ndarray:
+            if self._kk.dtype == self._dtype:  # 16-bit data need a view: no fast path
+                last_pos = self._max_seq_len - d.seq
+                write = be.kv_writer(self._layout)
+                self._fast = (k.shape, self._dtype, last_pos, d.seq, write, self._kk, self._vk)
 
     def get_kv(self):
         """Views ``(K, V)`` of the positions held, or ``None`` when empty.
@@ -365,7 +367,7 @@ class LayerKVCache:
         """An independent copy: new buffers, the positions held copied by the kernel."""
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
-        new._k = new._v = new._kk = new._vk = None
+        new._k = new._v = new._kk = new._vk = new._fast = None  # nothing of self's storage
         if self._k is not None:
             new._allocate(self._batch, self._num_kv_heads, self._head_dim, self._dtype)
             if self._seq_len:
@@ -472,6 +474,11 @@ class KVCache:
         return len(self._layers)
 
     def __getitem__(self, i: int) -> LayerKVCache:
+        if type(i) is int:  # the decode loop's path: no more than a list lookup
+            try:
+                return self._layers[i]
+            except IndexError:
+                pass
         n = len(self._layers)
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
             raise LayerIndexError(f"layer index must be an int, got {type(i).__name__} {i!r}")
