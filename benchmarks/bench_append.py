@@ -434,6 +434,7 @@ def main() -> None:
             "results": results,
             "targets": [{"target": w, "pass": ok, "figure": f} for w, ok, f in targets],
         }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.json}")
 
