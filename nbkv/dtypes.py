@@ -8,11 +8,13 @@ NaN payloads and signed zeros included.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from .errors import DTypeMismatchError
 
-__all__ = ["supported_dtypes", "resolve_dtype", "kernel_dtype", "BITS16"]
+__all__ = ["supported_dtypes", "resolve_dtype", "kernel_dtype", "widen_table", "BITS16"]
 
 # what kernels see 16-bit floats as
 BITS16 = np.dtype(np.uint16)
@@ -71,3 +73,29 @@ def check_supported(dtype: np.dtype, name: str) -> np.dtype:
 def kernel_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype kernels see for ``dtype``: ``uint16`` for 16-bit floats, else itself."""
     return BITS16 if dtype.itemsize == 2 else dtype
+
+
+@lru_cache(maxsize=4)
+def _table(name: str) -> np.ndarray:
+    bits = np.arange(2**16, dtype=np.uint32)
+    if name == "float16":
+        return bits.astype(np.uint16).view(np.float16).astype(np.float32)
+    # bfloat16 is the upper half of a float32: shift the bits into place
+    return (bits << 16).view(np.float32)
+
+
+def widen_table(dtype: np.dtype) -> np.ndarray:
+    """float32 value of every 16-bit pattern of ``dtype`` (float16 or bfloat16).
+
+    Kernels read 16-bit K/V as ``uint16`` and widen each value with one lookup,
+    ``table[bits]``; the table (256 KiB) stays in the CPU's caches. For other dtypes an
+    empty table, which kernels never read.
+    """
+    if dtype.itemsize != 2:
+        return _table_empty
+    table = _table("float16" if dtype == np.float16 else "bfloat16")
+    table.flags.writeable = False
+    return table
+
+
+_table_empty = np.empty(0, np.float32)

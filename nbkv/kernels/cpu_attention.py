@@ -1,0 +1,172 @@
+"""CPU (``@njit``) attention over a K/V cache: decode and prefill chunks, grouped-query.
+
+One task per (batch row, KV head), run in parallel: the task reads each cached K and V
+row once and uses it for every query head of its group (query head ``h`` reads KV head
+``h // group``), so K/V are never repeated. The sequence is walked in blocks with an
+online (streaming) softmax: per query row a running maximum ``m``, a running sum ``l`` of
+``exp(score - m)`` and an accumulator of weighted V rows, rescaled whenever ``m`` grows.
+
+Array parameters carry their shape. Queries are the last ``n_q`` of the ``seq_len``
+positions held: query ``i`` sits at position ``p = seq_len - n_q + i`` and sees positions
+``j <= p`` (``causal``) and ``j > p - window`` (``window > 0``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+from numba.core import types
+from numba.extending import overload
+
+from .. import _config
+from .cpu import write_kv, write_kv_bshd
+
+__all__ = ["attend", "attend_bshd", "append_attend", "append_attend_bshd"]
+
+# positions scored per step of the online softmax: a block of K (or V) rows, 32 KiB of
+# float32 at head_dim 128, stays in L1/L2 while every query row of the group uses it
+_BLOCK = 64
+
+
+def _rows(src, table, buf):
+    """Cached rows ``src`` [n, head_dim] as an array of ``buf``'s dtype. By the overload."""
+    raise NotImplementedError  # pragma: no cover - only called from compiled code
+
+
+@overload(_rows, jit_options={"cache": True})
+def _rows_impl(src, table, buf):
+    if src.dtype == types.uint16:
+        # 16-bit floats arrive as bit patterns: one lookup widens each into the buffer
+        def widen(src, table, buf):
+            out = buf[: src.shape[0]]
+            for j in range(src.shape[0]):
+                for d in range(src.shape[1]):
+                    out[j, d] = table[src[j, d]]
+            return out
+
+        return widen
+    return lambda src, table, buf: src  # float32/float64 rows are read in place
+
+
+@njit(parallel=True, cache=True, fastmath=_config.FASTMATH)
+def attend(q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
+    """Attention of ``q`` over the first ``seq_len`` positions of a "bhsd" cache.
+
+    q: shape [batch, num_heads, n_q, head_dim], float32 or float64 (the accumulator type).
+    k_cache, v_cache: shape [batch, num_kv_heads, >= seq_len, head_dim], any strides;
+        float32, float64, or uint16 bit patterns of float16/bfloat16 widened by ``table``.
+    seq_len: positions held (the queries are the last ``n_q`` of them).
+    scale: multiplies every score (usually ``head_dim ** -0.5``).
+    causal: mask positions after each query's own.
+    window: if > 0, each query sees only the last ``window`` positions, its own included.
+    table: float32[65536] widening table for uint16 caches (see nbkv.dtypes.widen_table).
+    out: shape [batch, num_heads, n_q, head_dim], q's dtype. Mutated.
+    """
+    batch, num_heads, n_q, dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    rows = group * n_q  # query rows sharing one KV head: row r = g * n_q + i
+    first = seq_len - n_q  # position of the first query (the last is seq_len - 1)
+    # the positions any query of the chunk can see, and those every query sees
+    lo = max(0, first - window + 1) if window > 0 else 0
+    all_lo = max(0, seq_len - window) if window > 0 else 0
+    all_hi = first + 1 if causal else seq_len
+    for task in prange(batch * num_kv_heads):
+        b = task // num_kv_heads
+        kvh = task - b * num_kv_heads
+        qs = np.empty((rows, dim), q.dtype)  # the group's queries, scale folded in
+        for g in range(group):
+            for i in range(n_q):
+                for d in range(dim):
+                    qs[g * n_q + i, d] = q[b, kvh * group + g, i, d] * scale
+        m = np.full(rows, -np.inf, q.dtype)  # running maximum score per row
+        l = np.zeros(rows, q.dtype)  # running sum of exp(score - m)
+        acc = np.zeros((rows, dim), q.dtype)  # running sum of exp(score - m) * V
+        s = np.empty((rows, _BLOCK), q.dtype)  # this block's scores, then weights
+        k_buf = np.empty((_BLOCK, dim), q.dtype)  # widened rows (16-bit caches only)
+        v_buf = np.empty((_BLOCK, dim), q.dtype)
+        for j0 in range(lo, seq_len, _BLOCK):
+            j1 = min(j0 + _BLOCK, seq_len)
+            nb = j1 - j0
+            kb = _rows(k_cache[b, kvh, j0:j1], table, k_buf)
+            for r in range(rows):
+                qr = qs[r]
+                for j in range(nb):
+                    kr = kb[j]
+                    dot = qr[0] * kr[0]
+                    for d in range(1, dim):
+                        dot += qr[d] * kr[d]
+                    s[r, j] = dot
+            if j0 < all_lo or j1 > all_hi:
+                # a block at the edge of the causal mask or the window: mask per row
+                for r in range(rows):
+                    p = first + r % n_q
+                    for j in range(nb):
+                        if (causal and j0 + j > p) or (window > 0 and j0 + j <= p - window):
+                            s[r, j] = -np.inf
+            for r in range(rows):
+                block_max = -np.inf
+                for j in range(nb):
+                    block_max = max(block_max, s[r, j])
+                if block_max == -np.inf:  # nothing visible to this row in this block
+                    for j in range(nb):
+                        s[r, j] = 0.0
+                    continue
+                m_new = max(m[r], block_max)
+                # rescale what was accumulated under the old maximum (exp(-inf) = 0)
+                correction = np.exp(m[r] - m_new)
+                l[r] *= correction
+                for d in range(dim):
+                    acc[r, d] *= correction
+                m[r] = m_new
+                for j in range(nb):
+                    w = np.exp(s[r, j] - m_new)
+                    s[r, j] = w
+                    l[r] += w
+            vb = _rows(v_cache[b, kvh, j0:j1], table, v_buf)
+            for j in range(nb):
+                vr = vb[j]
+                for r in range(rows):
+                    w = s[r, j]
+                    for d in range(dim):
+                        acc[r, d] += w * vr[d]
+        for r in range(rows):
+            h = kvh * group + r // n_q
+            inv = 1.0 / l[r]
+            for d in range(dim):
+                out[b, h, r % n_q, d] = acc[r, d] * inv
+
+
+@njit(cache=True)
+def attend_bshd(q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
+    """:func:`attend` for a "bshd" cache: k_cache, v_cache [batch, >= seq_len, num_kv_heads,
+    head_dim]. Mutates ``out``."""
+    attend(
+        q,
+        k_cache.transpose(0, 2, 1, 3),
+        v_cache.transpose(0, 2, 1, 3),
+        seq_len,
+        scale,
+        causal,
+        window,
+        table,
+        out,
+    )
+
+
+@njit(cache=True)
+def append_attend(q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out):
+    """Write ``k``, ``v`` at ``pos`` (as :func:`nbkv.kernels.write_kv`), then attend ``q``
+    over the ``pos + n`` positions now held, in one call. Layout "bhsd".
+
+    Mutates ``k_cache``, ``v_cache`` and ``out``.
+    """
+    write_kv(k, v, pos, k_cache, v_cache)
+    attend(q, k_cache, v_cache, pos + k.shape[2], scale, causal, window, table, out)
+
+
+@njit(cache=True)
+def append_attend_bshd(q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out):
+    """:func:`append_attend` for layout "bshd". Mutates ``k_cache``, ``v_cache``, ``out``."""
+    write_kv_bshd(k, v, pos, k_cache, v_cache)
+    attend_bshd(q, k_cache, v_cache, pos + k.shape[1], scale, causal, window, table, out)
