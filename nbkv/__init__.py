@@ -9,6 +9,8 @@
 ((1, 8, 5, 64), 5, 128, 524288)
 """
 
+from . import reference
+from .attention import append_and_attend, attention
 from .cache import DEFAULT_MAX_SEQ_LEN, KVCache, LayerKVCache
 from .dtypes import supported_dtypes
 from .errors import (
@@ -31,6 +33,9 @@ __all__ = [
     "LAYOUTS",
     "LayerKVCache",
     "KVCache",
+    "attention",
+    "append_and_attend",
+    "reference",
     "supported_dtypes",
     "KVCacheError",
     "CacheOverflowError",

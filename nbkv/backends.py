@@ -30,6 +30,7 @@ from .errors import (
     InvalidArgumentError,
 )
 from .kernels import cpu as cpu_kernels
+from .kernels import cpu_attention
 
 __all__ = ["DEVICES", "get_backend", "CPUBackend", "CUDABackend", "launch_config"]
 
@@ -99,6 +100,44 @@ class CPUBackend:
             cpu_kernels.write_cache(x, pos, cache)
         else:
             cpu_kernels.write_cache_bshd(x, pos, cache)
+
+    # -- attention -----------------------------------------------------------------
+
+    def attention_arrays(self, q, acc: np.dtype, out):
+        return _attention_arrays(q, acc, out, np.empty)
+
+    @staticmethod
+    def widen_table(table: np.ndarray) -> np.ndarray:
+        return table
+
+    def attend(self, layout, q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
+        kernel = cpu_attention.attend if layout == "bhsd" else cpu_attention.attend_bshd
+        kernel(q, k_cache, v_cache, seq_len, scale, causal, window, table, out)
+
+    def append_attend(
+        self, layout, q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out
+    ):
+        kernel = (
+            cpu_attention.append_attend if layout == "bhsd" else cpu_attention.append_attend_bshd
+        )
+        kernel(q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out)
+
+    @staticmethod
+    def finish_attention(result, out):
+        """Cast the kernel's result into ``out`` when they differ (16-bit queries)."""
+        if result is not out:
+            np.copyto(out, result, casting="unsafe")
+        return out
+
+
+def _attention_arrays(q, acc: np.dtype, out, empty):
+    """(q in the accumulator dtype, the array the kernel writes, the array returned)."""
+    q_dtype = np.dtype(q.dtype)
+    q_kernel = q if q_dtype == acc else q.astype(acc)
+    if out is None:
+        out = empty(q.shape, q_dtype)
+    result = out if q_dtype == acc else empty(q.shape, acc)
+    return q_kernel, result, out
 
 
 def launch_config(n_elements: int) -> tuple[int, int]:

@@ -286,6 +286,26 @@ class LayerKVCache:
         self._check_fits("k", k, kd)
         return k, v, kd, dtype
 
+    # -- for nbkv's own callers (attention): the steps of append, apart ---------------
+
+    def _check_append(self, k: Any, v: Any):
+        """Every check ``append(k, v)`` makes, changing nothing: ``(k, v, dims, dtype)``."""
+        k, v, d, dtype = self._check_pair(k, v)
+        self._check_room(d.seq, self._seq_len, "append")
+        return k, v, d, dtype
+
+    def _ensure_allocated(self, d: _layout.Dims, dtype: np.dtype) -> None:
+        if self._k is None:
+            self._allocate(d.batch, d.num_kv_heads, d.head_dim, dtype)
+
+    def _kernel_buffers(self):
+        """The full K and V buffers in kernel form (None before allocation)."""
+        return self._kk, self._vk
+
+    def _advance(self, n: int) -> None:
+        """Count ``n`` positions written by a kernel at ``seq_len`` as held."""
+        self._seq_len += n
+
     # -- the reference API -----------------------------------------------------------
 
     def append(self, k: Any, v: Any) -> None:
@@ -324,12 +344,10 @@ class LayerKVCache:
                 write(k, v, pos, k_buf, v_buf)
                 self._seq_len = pos + n
                 return
-        k, v, d, dtype = self._check_pair(k, v)
-        self._check_room(d.seq, pos, "append")
+        k, v, d, dtype = self._check_append(k, v)
         if d.seq == 0:
             return
-        if self._k is None:
-            self._allocate(d.batch, d.num_kv_heads, d.head_dim, dtype)
+        self._ensure_allocated(d, dtype)
         be = self._backend
         be.write_kv(self._layout, be.to_kernel(k), be.to_kernel(v), pos, self._kk, self._vk)
         self._seq_len = pos + d.seq

@@ -80,7 +80,7 @@ def attend(q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
                 for d in range(dim):
                     qs[g * n_q + i, d] = q[b, kvh * group + g, i, d] * scale
         m = np.full(rows, -np.inf, q.dtype)  # running maximum score per row
-        l = np.zeros(rows, q.dtype)  # running sum of exp(score - m)
+        denom = np.zeros(rows, q.dtype)  # running sum of exp(score - m)
         acc = np.zeros((rows, dim), q.dtype)  # running sum of exp(score - m) * V
         s = np.empty((rows, _BLOCK), q.dtype)  # this block's scores, then weights
         k_buf = np.empty((_BLOCK, dim), q.dtype)  # widened rows (16-bit caches only)
@@ -115,14 +115,14 @@ def attend(q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
                 m_new = max(m[r], block_max)
                 # rescale what was accumulated under the old maximum (exp(-inf) = 0)
                 correction = np.exp(m[r] - m_new)
-                l[r] *= correction
+                denom[r] *= correction
                 for d in range(dim):
                     acc[r, d] *= correction
                 m[r] = m_new
                 for j in range(nb):
                     w = np.exp(s[r, j] - m_new)
                     s[r, j] = w
-                    l[r] += w
+                    denom[r] += w
             vb = _rows(v_cache[b, kvh, j0:j1], table, v_buf)
             for j in range(nb):
                 vr = vb[j]
@@ -132,7 +132,7 @@ def attend(q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
                         acc[r, d] += w * vr[d]
         for r in range(rows):
             h = kvh * group + r // n_q
-            inv = 1.0 / l[r]
+            inv = 1.0 / denom[r]
             for d in range(dim):
                 out[b, h, r % n_q, d] = acc[r, d] * inv
 
