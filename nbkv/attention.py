@@ -16,7 +16,7 @@ import numpy as np
 from . import layout as _layout
 from .backends import get_backend
 from .cache import LayerKVCache
-from .dtypes import check_supported, widen_table
+from .dtypes import check_supported
 from .errors import (
     ArgumentTypeError,
     DTypeMismatchError,
@@ -87,7 +87,7 @@ def _pair(kv: Any, layout: str):
         raise DTypeMismatchError(f"K has dtype {K.dtype} but V has dtype {V.dtype}")
     dtype = check_supported(np.dtype(K.dtype), "K")
     d = _layout.dims(tuple(K.shape), layout)
-    return backend, backend.to_kernel(K), backend.to_kernel(V), d, dtype
+    return backend, backend.attention_form(K), backend.attention_form(V), d, dtype
 
 
 def _plan(q, backend, layout, kv_dims, seq_len, dtype, scale, causal, window, out) -> _Plan:
@@ -133,18 +133,10 @@ def _plan(q, backend, layout, kv_dims, seq_len, dtype, scale, causal, window, ou
             )
         if np.dtype(out.dtype) != q_dtype:
             raise DTypeMismatchError(f"out has dtype {out.dtype} but q has dtype {q_dtype}")
+    backend.check_attention(kv_dims)
     q_kernel, result, out = backend.attention_arrays(q, acc, out)
-    return _Plan(
-        backend,
-        layout,
-        q_kernel,
-        out,
-        result,
-        scale,
-        causal,
-        window,
-        backend.widen_table(widen_table(dtype)),
-    )
+    table = backend.attention_table(dtype)
+    return _Plan(backend, layout, q_kernel, out, result, scale, causal, window, table)
 
 
 def attention(
@@ -210,11 +202,12 @@ def attention(
                 f"layout={layout!r} but this cache holds layout {kv.layout!r}; leave it out"
             )
         backend, layout = kv._backend, kv.layout
-        K, V = kv._kernel_buffers()
+        K, V = kv._buffers()
         seq_len, dtype = kv.seq_len, kv.dtype
         dims = _layout.Dims(kv.batch, kv.num_kv_heads, seq_len, kv.head_dim)
         if K is None:
             raise InvalidArgumentError("the cache holds no position: there is nothing to attend to")
+        K, V = backend.attention_form(K), backend.attention_form(V)
     else:
         layout = _layout.check_layout("bhsd" if layout is None else layout)
         backend, K, V, dims, dtype = _pair(kv, layout)
@@ -268,12 +261,12 @@ def append_and_attend(
     plan = _plan(q, cache._backend, cache.layout, d, pos + d.seq, dtype, scale, causal, window, out)
     cache._ensure_allocated(d, dtype)
     be = cache._backend
-    K, V = cache._kernel_buffers()
+    K, V = (be.attention_form(x) for x in cache._buffers())
     be.append_attend(
         cache.layout,
         plan.q,
-        be.to_kernel(k),
-        be.to_kernel(v),
+        be.attention_form(k),
+        be.attention_form(v),
         pos,
         K,
         V,

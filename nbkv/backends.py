@@ -22,12 +22,14 @@ from typing import Any
 import numpy as np
 
 from . import _config
-from .dtypes import kernel_dtype
+from .dtypes import kernel_dtype, widen_table
 from .errors import (
     ArgumentTypeError,
     BackendUnavailableError,
     DeviceMismatchError,
+    DTypeMismatchError,
     InvalidArgumentError,
+    ShapeMismatchError,
 )
 from .kernels import cpu as cpu_kernels
 from .kernels import cpu_attention
@@ -106,9 +108,15 @@ class CPUBackend:
     def attention_arrays(self, q, acc: np.dtype, out):
         return _attention_arrays(q, acc, out, np.empty)
 
+    attention_form = kernel_view  # what attention kernels read: 16-bit as uint16
+
     @staticmethod
-    def widen_table(table: np.ndarray) -> np.ndarray:
-        return table
+    def attention_table(dtype: np.dtype) -> np.ndarray:
+        return widen_table(dtype)
+
+    @staticmethod
+    def check_attention(dims) -> None:
+        """Nothing the CPU kernels cannot do."""
 
     def attend(self, layout, q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
         kernel = cpu_attention.attend if layout == "bhsd" else cpu_attention.attend_bshd
@@ -185,6 +193,10 @@ class CUDABackend:
         self._cuda = cuda
         self._is_device_array = is_cuda_ndarray
         self._kernels = cuda_kernels
+        self._attn = None  # nbkv.kernels.cuda_attention, compiled on first use
+        self._tables: dict = {}
+        self._scratch_arrays = None
+        self._sms: int | None = None
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype):
         """An uninitialised device buffer; 16-bit floats stored as ``uint16``."""
@@ -239,6 +251,120 @@ class CUDABackend:
         )
         blocks, threads = launch_config(int(np.prod(x.shape)))
         kernel[blocks, threads](x, pos, cache)
+
+    # -- attention (flash-decoding, nbkv.kernels.cuda_attention) -----------------------
+
+    def _attention_kernels(self):
+        if self._attn is None:
+            from .kernels import cuda_attention
+
+            self._attn = cuda_attention
+        return self._attn
+
+    def check_attention(self, dims) -> None:
+        limit = _config.ATTENTION_MAX_HEAD_DIM
+        if dims.head_dim > limit:
+            raise ShapeMismatchError(
+                f"head_dim {dims.head_dim} is larger than the CUDA attention kernel's "
+                f"{limit} (nbkv._config.ATTENTION_MAX_HEAD_DIM)"
+            )
+
+    def attention_arrays(self, q, acc: np.dtype, out):
+        """q on the device (copied once if on the host) and the output array."""
+        q_dtype = np.dtype(q.dtype)
+        if q_dtype.kind != "f":
+            raise DTypeMismatchError(
+                f"q has dtype {q_dtype}; CUDA attention takes float16, float32 or float64 "
+                f"queries (a bfloat16 cache is fine: pass q as float32)"
+            )
+        if isinstance(q, np.ndarray):
+            q = self._cuda.to_device(np.ascontiguousarray(q))  # the explicit copy
+        if out is None:
+            out = self._cuda.device_array(q.shape, q_dtype)
+        elif isinstance(out, np.ndarray):
+            raise DeviceMismatchError("out is a host array but this cache lives on cuda")
+        return q, out, out
+
+    def attention_form(self, x):
+        """Storage form on the device: float16 stays float16, bfloat16 is uint16 bits."""
+        if isinstance(x, np.ndarray):
+            host = x.view(self.stored_dtype(np.dtype(x.dtype)))
+            return self._cuda.to_device(np.ascontiguousarray(host))
+        if np.dtype(x.dtype) == np.float16 or np.dtype(x.dtype).itemsize != 2:
+            return x
+        return x.view(np.uint16)
+
+    def attention_table(self, dtype: np.dtype):
+        """bfloat16's widening table on the device (cached); empty for other dtypes."""
+        key = str(dtype) if dtype.itemsize == 2 and dtype.kind != "f" else "none"
+        if key not in self._tables:
+            host = widen_table(dtype) if key != "none" else np.empty(0, np.float32)
+            self._tables[key] = self._cuda.to_device(host)
+        return self._tables[key]
+
+    def _scratch(self, shape_acc, shape_stats, shape_counters):
+        """Partial results and counters, kept between calls (counters stay zeroed)."""
+        sc = self._scratch_arrays
+        if sc is None or sc[0].shape != shape_acc or sc[2].shape != shape_counters:
+            counters = self._cuda.to_device(np.zeros(shape_counters, np.int32))
+            sc = (
+                self._cuda.device_array(shape_acc, np.float32),
+                self._cuda.device_array(shape_stats, np.float32),
+                counters,
+            )
+            self._scratch_arrays = sc
+        return sc
+
+    def _attention_launch(self, q, num_kv_heads, span):
+        attn = self._attention_kernels()
+        batch, num_heads, n_q, dim = (int(x) for x in q.shape)
+        tasks = batch * num_kv_heads
+        chunks = math.ceil(num_heads // num_kv_heads * n_q / attn.ROWS)
+        if _config.ATTENTION_SPLITS is not None:
+            splits = _config.ATTENTION_SPLITS
+        else:
+            want = _config.ATTENTION_BLOCKS_PER_SM * self._sm_count()
+            splits = max(1, min(math.ceil(want / (tasks * chunks)), math.ceil(span / attn.TILE)))
+        splits = max(1, min(splits, span))
+        part = self._scratch(
+            (batch, num_heads, n_q, splits, dim),
+            (batch, num_heads, n_q, splits, 2),
+            (tasks, chunks),
+        )
+        return (splits, tasks, chunks), attn.THREADS, part
+
+    def _sm_count(self) -> int:
+        if self._sms is None:
+            device = self._cuda.get_current_device()
+            self._sms = int(getattr(device, "MULTIPROCESSOR_COUNT", 1))
+        return self._sms
+
+    def attend(self, layout, q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
+        attn = self._attention_kernels()
+        kernel = attn.attend_kernel if layout == "bhsd" else attn.attend_bshd_kernel
+        kv_heads = k_cache.shape[1 if layout == "bhsd" else 2]
+        span = seq_len - (max(0, seq_len - q.shape[2] - window + 1) if window else 0)
+        grid, threads, part = self._attention_launch(q, kv_heads, span)
+        kernel[grid, threads](
+            q, k_cache, v_cache, seq_len, scale, causal, window, table, *part, out
+        )
+
+    def append_attend(
+        self, layout, q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out
+    ):
+        attn = self._attention_kernels()
+        kernel = attn.append_attend_kernel if layout == "bhsd" else attn.append_attend_bshd_kernel
+        kv_heads = k_cache.shape[1 if layout == "bhsd" else 2]
+        grid, threads, part = self._attention_launch(
+            q, kv_heads, pos + k.shape[2 if layout == "bhsd" else 1]
+        )
+        kernel[grid, threads](
+            q, k, v, pos, k_cache, v_cache, scale, causal, window, table, *part, out
+        )
+
+    @staticmethod
+    def finish_attention(result, out):
+        return out
 
 
 _CPU = CPUBackend()

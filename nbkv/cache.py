@@ -298,9 +298,9 @@ class LayerKVCache:
         if self._k is None:
             self._allocate(d.batch, d.num_kv_heads, d.head_dim, dtype)
 
-    def _kernel_buffers(self):
-        """The full K and V buffers in kernel form (None before allocation)."""
-        return self._kk, self._vk
+    def _buffers(self):
+        """The full K and V buffers (None before allocation)."""
+        return self._k, self._v
 
     def _advance(self, n: int) -> None:
         """Count ``n`` positions written by a kernel at ``seq_len`` as held."""
