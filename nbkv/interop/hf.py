@@ -1,0 +1,553 @@
+"""A ``transformers`` Cache whose keys and values live in nbkv buffers.
+
+:class:`NbkvCache` holds one :class:`nbkv.LayerKVCache` per decoder layer, sized from the
+model's config and allocated at once, in transformers' layout
+``[batch, num_kv_heads, seq, head_dim]`` (nbkv's ``"bhsd"``). Each attention layer's
+``update`` writes the new positions with nbkv's kernel and hands back torch views of the
+``seq_len`` positions held: no copy, no growth by concatenation. It behaves as
+transformers' ``DynamicCache`` does towards the model (masks cover the positions held,
+not the capacity), with a fixed capacity: a write past ``max_cache_len`` raises
+:class:`nbkv.CacheOverflowError` and changes nothing.
+
+Importing this module imports torch and transformers (``pip install "nbkv[hf]"``);
+bfloat16 also needs ``nbkv[bf16]``.
+
+Examples
+--------
+>>> import torch
+>>> from transformers import LlamaConfig, LlamaForCausalLM
+>>> from nbkv.interop.hf import NbkvCache
+>>> _ = torch.manual_seed(0)
+>>> config = LlamaConfig(
+...     hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+... )
+>>> model = LlamaForCausalLM(config).eval()
+>>> cache = NbkvCache(model.config, max_cache_len=32)
+>>> prompt = torch.tensor([[3, 14, 15, 92, 65]])
+>>> out = model.generate(prompt, max_new_tokens=4, do_sample=False, cache=cache)
+>>> out.shape, cache.get_seq_length(), cache.nbkv.seq_len  # the last token is never fed
+(torch.Size([1, 9]), 8, 8)
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from .._validate import positive_int
+from ..cache import KVCache, LayerKVCache
+from ..dtypes import resolve_dtype
+from ..errors import (
+    ArgumentTypeError,
+    DeviceMismatchError,
+    DTypeMismatchError,
+    InvalidArgumentError,
+    ShapeMismatchError,
+)
+
+__all__ = ["NbkvCache", "NbkvLayer"]
+
+# what transformers calls these dtypes, by the name nbkv (and NumPy) gives them
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+# transformers 5 made crop's argument a count to remove (negative); 4.x took the length
+# to keep (or, negative, a count to remove)
+_CROP_REMOVES = "tokens_to_remove" in inspect.signature(DynamicLayer.crop).parameters
+
+_FIXED_BATCH = (
+    "nbkv buffers have a fixed batch; changing it is part of the nbkv issue "
+    "'sequence management'. Build the NbkvCache with the batch generate runs "
+    "(batch x num_beams x num_return_sequences) instead"
+)
+
+
+# -- constructor arguments -----------------------------------------------------------
+
+
+def _config_field(config: Any, name: str) -> Any:
+    value = getattr(config, name, None)
+    if value is None:
+        raise InvalidArgumentError(
+            f"config must have {name} (a positive int, as a LlamaConfig has), but the "
+            f"{type(config).__name__} given has none"
+        )
+    return value
+
+
+def _sizes_from_config(config: Any) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of a decoder config, or a typed error."""
+    if hasattr(config, "get_text_config"):  # multimodal configs nest the decoder's
+        config = config.get_text_config(decoder=True)
+    num_layers = positive_int(
+        _config_field(config, "num_hidden_layers"), "config.num_hidden_layers"
+    )
+    num_kv_heads = getattr(config, "num_key_value_heads", None)
+    head_dim = getattr(config, "head_dim", None)
+    if num_kv_heads is None or head_dim is None:
+        num_heads = positive_int(
+            _config_field(config, "num_attention_heads"), "config.num_attention_heads"
+        )
+    if num_kv_heads is None:  # no grouped-query attention: one KV head per query head
+        num_kv_heads = num_heads
+    num_kv_heads = positive_int(num_kv_heads, "config.num_key_value_heads")
+    if head_dim is None:
+        hidden = positive_int(_config_field(config, "hidden_size"), "config.hidden_size")
+        if hidden % num_heads:
+            raise InvalidArgumentError(
+                f"config has no head_dim and config.hidden_size {hidden} is not a multiple "
+                f"of config.num_attention_heads {num_heads}; set config.head_dim"
+            )
+        head_dim = hidden // num_heads
+    head_dim = positive_int(head_dim, "config.head_dim")
+
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # as transformers infers them
+        if getattr(config, "sliding_window", None) is not None:
+            layer_types = ["sliding_attention"]
+        elif getattr(config, "attention_chunk_size", None) is not None:
+            layer_types = ["chunked_attention"]
+        else:
+            layer_types = []
+    others = sorted({str(t) for t in layer_types} - {"full_attention"})
+    if others:
+        raise InvalidArgumentError(
+            f"config has layers of type {others}, but NbkvCache holds full-attention "
+            f"layers only (every layer attends to every position held)"
+        )
+    return num_layers, num_kv_heads, head_dim
+
+
+def _resolve_dtypes(dtype: Any, config: Any) -> tuple[np.dtype, torch.dtype]:
+    """The storage dtype as NumPy and torch see it; ``None`` takes the config's."""
+    name = "dtype"
+    if dtype is None:
+        name = "config.dtype"
+        dtype = getattr(config, "dtype", None)
+        if dtype is None:  # transformers 4.x kept it as torch_dtype (5.x warns on access)
+            dtype = getattr(config, "__dict__", {}).get("torch_dtype")
+        if dtype is None:
+            dtype = torch.float32
+    if isinstance(dtype, torch.dtype):
+        label = str(dtype).removeprefix("torch.")
+        if label not in _TORCH_DTYPES:
+            raise DTypeMismatchError(
+                f"{name} must be one of {', '.join(map(str, _TORCH_DTYPES.values()))} (or "
+                f"their NumPy names), got {dtype}"
+            )
+        dtype = label
+    np_dtype = resolve_dtype(dtype, name)
+    return np_dtype, _TORCH_DTYPES[np_dtype.name]
+
+
+def _resolve_device(device: Any) -> torch.device:
+    """``device`` as a torch.device of type cpu or cuda (index 0), or a typed error."""
+    resolved = None
+    if isinstance(device, (str, torch.device)):
+        try:
+            resolved = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda") or resolved.index not in (None, 0):
+        raise InvalidArgumentError(
+            f"device must be 'cpu' or 'cuda' (a str or torch.device; nbkv allocates CUDA "
+            f"buffers on the current device, so 'cuda:0' at most), got {device!r}"
+        )
+    return resolved
+
+
+# -- one layer -------------------------------------------------------------------------
+
+
+class NbkvLayer(CacheLayerMixin):
+    """One decoder layer's cache: a transformers cache layer over a :class:`nbkv.LayerKVCache`.
+
+    Built by :class:`NbkvCache`; users rarely make one. ``keys`` and ``values`` are torch
+    views, shape ``[batch, num_kv_heads, seq_len, head_dim]``, of the positions held.
+
+    Parameters
+    ----------
+    layer : nbkv.LayerKVCache
+        An allocated cache in layout "bhsd".
+    dtype : torch.dtype
+        The torch dtype of ``layer``'s storage dtype.
+    device : torch.device
+        ``cpu`` or ``cuda``, as ``layer.device``.
+    """
+
+    is_compileable = False  # nbkv's kernels are Numba launches torch.compile cannot trace
+    is_croppable = True
+    is_sliding = False
+    supports_early_init = True
+
+    def __init__(self, layer: LayerKVCache, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.nbkv = layer
+        self.dtype = dtype
+        self.device = device
+        self._np_dtype = layer.dtype
+        self.max_cache_len = layer.max_seq_len
+        self.batch_size = self.max_batch_size = layer.batch
+        self.num_heads = layer.num_kv_heads
+        self.head_dim = layer.head_dim
+        self.is_initialized = True  # the buffers were allocated with the cache
+        self._refresh()
+
+    def __repr__(self) -> str:
+        return f"NbkvLayer({self.nbkv!r})"
+
+    def __deepcopy__(self, memo: dict) -> NbkvLayer:
+        return NbkvLayer(self.nbkv.copy(), self.dtype, self.device)
+
+    # -- torch <-> nbkv, without copies ---------------------------------------------
+
+    def _to_nbkv(self, x: Any, name: str) -> Any:
+        """A tensor from the model as an array nbkv's append reads in place."""
+        if not isinstance(x, torch.Tensor):
+            raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.device.type != self.device.type:
+            raise DeviceMismatchError(
+                f"{name} is on {x.device} but this NbkvCache lives on {self.device}; build "
+                f"it with device={x.device.type!r}"
+            )
+        if x.dtype != self.dtype:
+            raise DTypeMismatchError(
+                f"{name} has dtype {x.dtype} but this NbkvCache holds {self.dtype}; build it "
+                f"with dtype={x.dtype} (the model's dtype)"
+            )
+        if x.requires_grad:
+            raise NotImplementedError(
+                f"{name} requires grad, but NbkvCache stores values in nbkv buffers, which "
+                f"carry no gradients; run the model under torch.no_grad() or "
+                f"torch.inference_mode() (generate does)"
+            )
+        if self.device.type == "cuda":
+            # Numba has no bfloat16 device array: a bf16 cache takes uint16 bit patterns
+            return x.view(torch.uint16) if x.dtype == torch.bfloat16 else x
+        if x.dtype == torch.bfloat16:
+            # NumPy has no bfloat16 either: hand over the bits, seen as ml_dtypes' bfloat16
+            return x.view(torch.int16).numpy().view(self._np_dtype)
+        return x.numpy()
+
+    def _to_torch(self, x: Any) -> torch.Tensor:
+        """A view nbkv's get_kv returned as a torch tensor over the same memory."""
+        if self.device.type == "cuda":
+            t = torch.as_tensor(x, device=self.device)  # __cuda_array_interface__
+            return t.view(torch.bfloat16) if self.dtype == torch.bfloat16 else t
+        if self.dtype == torch.bfloat16:
+            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(x)
+
+    def _refresh(self) -> None:
+        """Point ``keys`` / ``values`` at the positions now held."""
+        kv = self.nbkv.get_kv()
+        if kv is None:
+            shape = (self.batch_size, self.num_heads, 0, self.head_dim)
+            self.keys = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        else:
+            self.keys, self.values = self._to_torch(kv[0]), self._to_torch(kv[1])
+
+    def _check_batch(self, x: torch.Tensor, name: str) -> None:
+        if x.ndim == 4 and x.shape[0] != self.batch_size:
+            raise ShapeMismatchError(
+                f"{name} has shape {tuple(x.shape)}: batch {x.shape[0]}, but this NbkvCache "
+                f"was built with batch_size={self.batch_size}; build it with "
+                f"batch_size={x.shape[0]} (generate runs batch x num_beams x "
+                f"num_return_sequences rows)"
+            )
+
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        k = self._to_nbkv(key_states, "key_states")
+        v = self._to_nbkv(value_states, "value_states")
+        self._check_batch(key_states, "key_states")
+        self.nbkv.append(k, v)  # validates everything, then writes; raises leave it as it was
+
+    # -- what transformers calls ----------------------------------------------------
+
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None
+    ) -> None:
+        """Nothing to allocate (the buffers exist); check that ``key_states`` would fit."""
+        self._to_nbkv(key_states, "key_states")
+        self._check_batch(key_states, "key_states")
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions; return views ``(keys, values)`` of all positions held.
+
+        Parameters
+        ----------
+        key_states, value_states : torch.Tensor, shape [batch, num_kv_heads, n, head_dim]
+            On the cache's device, in its dtype, any strides. Copied into the buffers.
+        *args, **kwargs
+            What transformers passes besides (``cache_kwargs``); unused.
+
+        Returns
+        -------
+        keys, values : torch.Tensor, shape [batch, num_kv_heads, seq_len, head_dim]
+            Views of nbkv's buffers (no copy), valid until the cache is cropped, reordered
+            or reset.
+
+        Raises
+        ------
+        CacheOverflowError
+            ``seq_len + n > max_cache_len``; nothing is written.
+        ShapeMismatchError, DTypeMismatchError, DeviceMismatchError
+            Tensors that do not fit the cache; nothing is written.
+        NotImplementedError
+            Tensors that require grad (nbkv buffers carry no gradients).
+        """
+        self._write(key_states, value_states)
+        self._refresh()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        """Positions held."""
+        return self.nbkv.seq_len
+
+    def get_max_length(self) -> int:
+        """Capacity in positions (transformers 5)."""
+        return self.nbkv.max_seq_len
+
+    def get_max_cache_shape(self) -> int:
+        """Capacity in positions (transformers 4.x's name for it)."""
+        return self.nbkv.max_seq_len
+
+    def get_mask_sizes(self, query_length: int | torch.Tensor, *args: Any) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the keys the next ``update`` will return.
+
+        Called before the update, as ``DynamicLayer``'s: the positions held plus the
+        ``query_length`` about to be written, from offset 0 (the views hold exactly
+        those, never the unused capacity). transformers 4.x passes ``cache_position``.
+        """
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        return self.nbkv.seq_len + int(query_length), 0
+
+    def reset(self) -> None:
+        """Forget every position; keep the buffers."""
+        self.nbkv.clear()
+        self._refresh()
+
+    def crop(self, max_length: int) -> None:
+        """Drop positions from the end.
+
+        transformers 5: ``crop(-n)`` drops ``n`` positions (``crop(0)`` drops none).
+        transformers 4.x: ``crop(n)`` keeps the first ``n``, ``crop(-n)`` drops ``n``.
+        nbkv cannot yet shorten a cache in place (nbkv issue 'sequence management'), so
+        the kept prefix is re-appended onto itself: a copy of ``seq_len`` positions.
+        """
+        if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral):
+            raise ArgumentTypeError(
+                f"crop takes an int, got {type(max_length).__name__} {max_length!r}"
+            )
+        held = self.nbkv.seq_len
+        if max_length < 0:
+            keep = max(held + int(max_length), 0)
+        elif _CROP_REMOVES and max_length > 0:
+            raise InvalidArgumentError(
+                f"crop takes a negative number of positions to remove (transformers 5), "
+                f"got {max_length}"
+            )
+        else:
+            keep = held if _CROP_REMOVES else min(int(max_length), held)
+        self._keep(keep)
+
+    def _keep(self, keep: int) -> None:
+        held = self.nbkv.seq_len
+        if keep >= held:
+            return
+        k, v = self.nbkv.get_kv()
+        self.nbkv.clear()
+        if keep:
+            prefix = (slice(None), slice(None), slice(0, keep))
+            # reads and writes the very same positions, element by element: safe in place
+            self.nbkv.append(k[prefix], v[prefix])
+        self._refresh()
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Reorder the batch rows for beam search: row ``i`` becomes row ``beam_idx[i]``.
+
+        Gathers the positions held into new tensors (as ``DynamicLayer`` does), then
+        writes them back into the buffers; the batch size cannot change.
+        """
+        if self.nbkv.seq_len == 0:
+            return
+        index = torch.as_tensor(beam_idx, device=self.device)
+        if index.ndim != 1 or index.shape[0] != self.batch_size:
+            raise ShapeMismatchError(
+                f"beam_idx must be 1-D of length batch_size = {self.batch_size}, got shape "
+                f"{tuple(index.shape)}; {_FIXED_BATCH}"
+            )
+        # the gather copies (and checks the indices) before the cache is touched
+        keys = self.keys.index_select(0, index)
+        values = self.values.index_select(0, index)
+        self.nbkv.clear()
+        self._write(keys, values)
+        self._refresh()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Only ``repeats == 1`` (nothing to do): the batch of nbkv buffers is fixed."""
+        if repeats != 1:
+            raise NotImplementedError(
+                f"batch_repeat_interleave({repeats}) would turn batch {self.batch_size} into "
+                f"{self.batch_size * repeats}; {_FIXED_BATCH}"
+            )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Not supported: selecting rows changes the batch of nbkv's fixed buffers."""
+        raise NotImplementedError(
+            f"batch_select_indices would change the batch of this cache ({self.batch_size}); "
+            f"{_FIXED_BATCH}"
+        )
+
+
+# -- the model's cache ------------------------------------------------------------------
+
+
+class NbkvCache(Cache):
+    """A transformers Cache over nbkv buffers: one :class:`nbkv.LayerKVCache` per layer.
+
+    Pass it to ``model.generate(..., cache=cache)`` (``past_key_values=`` before
+    transformers 5) or to a forward call. Sizes come from the model's config; the
+    buffers, ``[batch_size, num_kv_heads, max_cache_len, head_dim]`` per layer for K and
+    for V, are allocated here, once. Towards the model it behaves as ``DynamicCache``:
+    each layer's ``update`` returns the positions held (views, no copy), and masks are
+    built over those positions, not over the capacity.
+
+    Parameters
+    ----------
+    config : transformers config
+        The model's (decoder) config: ``num_hidden_layers``, ``num_key_value_heads``
+        (default ``num_attention_heads``), ``head_dim`` (default ``hidden_size //
+        num_attention_heads``). Every layer must be a full-attention layer.
+    max_cache_len : int
+        Capacity in positions: prompt plus generated tokens. Writing past it raises
+        :class:`nbkv.CacheOverflowError` and changes nothing.
+    batch_size : int, default 1
+        Rows; for generate, batch x num_beams x num_return_sequences.
+    dtype : torch.dtype or dtype-like, optional
+        float32, float64, float16 or bfloat16, as a torch dtype or a NumPy-style name
+        (``"bfloat16"`` needs ``nbkv[bf16]``). ``None``: the config's ``dtype``
+        (``torch_dtype`` in transformers 4.x), else float32. Must be the model's dtype.
+    device : {"cpu", "cuda"} or torch.device
+        Where the buffers live; the model's device. On CUDA (``nbkv[cuda]``) tensors
+        cross through ``__cuda_array_interface__``, bfloat16 as uint16 bit patterns; nbkv
+        writes on the default CUDA stream, so run the model there too.
+
+    Attributes
+    ----------
+    nbkv : nbkv.KVCache
+        The underlying nbkv cache (``cache.nbkv[i].get_kv()`` gives layer ``i``'s views).
+
+    Raises
+    ------
+    ArgumentTypeError, InvalidArgumentError
+        A size that is not a positive int (``max_cache_len``, ``batch_size``, a config
+        field), a config without the fields above or with non-full-attention layers, an
+        unknown device.
+    DTypeMismatchError
+        A dtype nbkv does not store.
+    BackendUnavailableError
+        ``device="cuda"`` without a usable GPU.
+
+    Notes
+    -----
+    Inference only: tensors that require grad are refused. ``crop`` copies the kept
+    positions and ``reorder_cache`` (beam search) gathers them, as ``DynamicCache`` does;
+    ``batch_repeat_interleave`` and ``batch_select_indices`` would change the fixed batch
+    and raise ``NotImplementedError`` (nbkv issue 'sequence management'). Not
+    ``torch.compile``-able.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from transformers import LlamaConfig
+    >>> from nbkv.interop.hf import NbkvCache
+    >>> config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    ...                      num_key_value_heads=2)
+    >>> cache = NbkvCache(config, 16, dtype=torch.float32)
+    >>> k = torch.randn(1, 2, 3, 16)
+    >>> keys, values = cache.update(k, k, 0)
+    >>> keys.shape, cache.get_seq_length(0), cache.nbkv[0].seq_len
+    (torch.Size([1, 2, 3, 16]), 3, 3)
+    >>> bool((keys == k).all()), keys.data_ptr() == cache.nbkv[0].get_kv()[0].ctypes.data
+    (True, True)
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        max_cache_len: int,
+        *,
+        batch_size: int = 1,
+        dtype: Any = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        max_cache_len = positive_int(max_cache_len, "max_cache_len")
+        batch_size = positive_int(batch_size, "batch_size")
+        num_layers, num_kv_heads, head_dim = _sizes_from_config(config)
+        np_dtype, torch_dtype = _resolve_dtypes(dtype, config)
+        torch_device = _resolve_device(device)
+        self.nbkv = KVCache(
+            num_layers,
+            max_cache_len,
+            batch=batch_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=np_dtype,
+            device=torch_device.type,
+            layout="bhsd",
+        )
+        self._dtype = torch_dtype
+        self._device = torch_device
+        super().__init__(layers=self._wrap(self.nbkv))
+
+    def _wrap(self, cache: KVCache) -> list[NbkvLayer]:
+        return [NbkvLayer(layer, self._dtype, self._device) for layer in cache]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def max_cache_len(self) -> int:
+        """Capacity in positions."""
+        return self.nbkv.max_seq_len
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.layers[0].batch_size
+
+    def __repr__(self) -> str:
+        return f"NbkvCache({self.nbkv!r})"
+
+    def copy(self) -> NbkvCache:
+        """An independent copy: new nbkv buffers holding the same positions."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.nbkv = self.nbkv.copy()
+        new.layers = new._wrap(new.nbkv)
+        return new
+
+    def __copy__(self) -> NbkvCache:
+        return self.copy()
+
+    def __deepcopy__(self, memo: dict) -> NbkvCache:
+        return self.copy()
