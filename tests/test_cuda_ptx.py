@@ -75,3 +75,42 @@ def test_a_kernel_that_cannot_be_typed_fails_to_compile():
 
     with pytest.raises(Exception):  # noqa: B017 - numba's typing errors vary by version
         cuda.compile_ptx(bad, (types.float32[::1],), cc=H200)
+
+
+def signatures_attention(fused: bool):
+    """The signatures the CUDA backend launches attention with."""
+    f32, i64 = types.float32, types.int64
+    stats = (types.Array(f32, 5, "C"), types.Array(f32, 5, "C"), types.Array(types.int32, 2, "C"))
+    storage = [types.float32, types.float64, types.float16, types.uint16]
+    # every storage dtype with contiguous float32 queries; strided and float16 queries once
+    combos = [(st, f32, "C") for st in storage]
+    combos += [(types.float32, f32, "A"), (types.float32, types.float16, "C")]
+    for st, q_dtype, q_layout in combos:
+        q = types.Array(q_dtype, 4, q_layout)
+        cache = types.Array(st, 4, "C")
+        options = (types.float64, types.boolean, i64, types.Array(f32, 1, "C"))
+        out = types.Array(q_dtype, 4, "C")
+        if fused:
+            new = types.Array(st, 4, "A")
+            yield (q, new, new, i64, cache, cache, *options, *stats, out)
+        else:
+            yield (q, cache, cache, i64, *options, *stats, out)
+
+
+@pytest.mark.parametrize(
+    "name,fused",
+    [
+        ("attend_kernel", False),
+        ("attend_bshd_kernel", False),
+        ("append_attend_kernel", True),
+        ("append_attend_bshd_kernel", True),
+    ],
+)
+def test_attention_kernels_compile_for_h200(name, fused):
+    _nvvm_or_skip()
+    from nbkv.kernels import cuda_attention
+
+    kernel = getattr(cuda_attention, name)
+    for sig in signatures_attention(fused):
+        ptx, restype = cuda.compile_ptx(kernel.py_func, sig, cc=H200)
+        assert ".target sm_90" in ptx and restype == types.void, sig

@@ -32,10 +32,26 @@ Example
 >>> float(v_cache[0, 1, 7, 0])
 2.0
 
-The CUDA twins (``write_kv_kernel`` ...) live in :mod:`nbkv.kernels.cuda`, imported only
-on demand since they need numba-cuda.
+Attention: ``attend(q, k_cache, v_cache, seq_len, scale, causal, window, table, out)``
+(parallel over batch rows and KV heads) and ``append_attend`` (write, then attend, in one
+call); ``table`` is :func:`nbkv.dtypes.widen_table` of the cache's dtype (empty unless
+16-bit). See :mod:`nbkv.kernels.cpu_attention`.
+
+The CUDA twins (``write_kv_kernel``, ``attend_kernel`` ...) live in
+:mod:`nbkv.kernels.cuda` and :mod:`nbkv.kernels.cuda_attention`, imported only on demand
+since they need numba-cuda.
 """
 
 from .cpu import write_cache, write_cache_bshd, write_kv, write_kv_bshd
+from .cpu_attention import append_attend, append_attend_bshd, attend, attend_bshd
 
-__all__ = ["write_kv", "write_kv_bshd", "write_cache", "write_cache_bshd"]
+__all__ = [
+    "write_kv",
+    "write_kv_bshd",
+    "write_cache",
+    "write_cache_bshd",
+    "attend",
+    "attend_bshd",
+    "append_attend",
+    "append_attend_bshd",
+]

@@ -154,7 +154,9 @@ def attend_bshd(q, k_cache, v_cache, seq_len, scale, causal, window, table, out)
     )
 
 
-@njit(cache=True)
+# not cache=True: a cached function that calls a parallel one crashed when Numba loaded it
+# back from its on-disk cache (numba 0.68); compiled once per process instead
+@njit
 def append_attend(q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out):
     """Write ``k``, ``v`` at ``pos`` (as :func:`nbkv.kernels.write_kv`), then attend ``q``
     over the ``pos + n`` positions now held, in one call. Layout "bhsd".
@@ -165,7 +167,7 @@ def append_attend(q, k, v, pos, k_cache, v_cache, scale, causal, window, table, 
     attend(q, k_cache, v_cache, pos + k.shape[2], scale, causal, window, table, out)
 
 
-@njit(cache=True)
+@njit
 def append_attend_bshd(q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out):
     """:func:`append_attend` for layout "bshd". Mutates ``k_cache``, ``v_cache``, ``out``."""
     write_kv_bshd(k, v, pos, k_cache, v_cache)
