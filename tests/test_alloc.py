@@ -5,9 +5,10 @@ from __future__ import annotations
 import tracemalloc
 
 import numpy as np
-from conftest import cpu_only, randn
 
 import nbkv
+
+from conftest import cpu_only, randn
 
 pytestmark = cpu_only
 

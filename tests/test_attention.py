@@ -6,11 +6,12 @@ import itertools
 
 import numpy as np
 import pytest
-from test_errors import assert_same, snapshot
 
 import nbkv
-from conftest import DEVICE, LAYOUTS, cpu_only, dtype_of, host, randn, shape_of
 from nbkv import _config, reference
+
+from conftest import DEVICE, LAYOUTS, cpu_only, dtype_of, host, randn, shape_of
+from test_errors import assert_same, snapshot
 
 # tolerance on |nbkv - float64 reference| for float32 queries and output: 16-bit storage
 # is widened exactly and accumulated in float32, like float32 storage

@@ -6,10 +6,11 @@ import copy
 
 import numpy as np
 import pytest
-from conftest import DTYPES, LAYOUTS, assert_bits_equal, dtype_of, host, randn, shape_of
 
 import nbkv
 from nbkv import reference
+
+from conftest import DTYPES, LAYOUTS, assert_bits_equal, dtype_of, host, randn, shape_of
 
 
 def make(device, layout="bhsd", dtype="float32", max_seq_len=16, b=2, h=3, d=5):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from conftest import SIMULATOR
 
 pytestmark = pytest.mark.skipif(SIMULATOR, reason="compile_ptx needs the real CUDA target")

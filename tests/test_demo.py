@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cpu_only
 
 import nbkv
 from nbkv.__main__ import main
 from nbkv.demo import METHODS, run_demo
+
+from conftest import cpu_only
 
 pytestmark = cpu_only
 

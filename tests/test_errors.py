@@ -7,9 +7,10 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import DEVICE, SIMULATOR, host, randn
 
 import nbkv
+
+from conftest import DEVICE, SIMULATOR, host, randn
 
 
 def snapshot(cache: nbkv.LayerKVCache):

@@ -13,6 +13,7 @@ import warnings
 
 import numpy as np
 import pytest
+
 from conftest import cpu_only
 
 torch = pytest.importorskip("torch")

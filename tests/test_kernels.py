@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import LAYOUTS, cpu_only, randn, shape_of
 from numba import njit
 
 from nbkv import reference
 from nbkv.kernels import write_cache, write_cache_bshd, write_kv, write_kv_bshd
+
+from conftest import LAYOUTS, cpu_only, randn, shape_of
 
 pytestmark = cpu_only
 

@@ -6,9 +6,10 @@ import copy
 
 import numpy as np
 import pytest
-from conftest import assert_bits_equal, randn
 
 import nbkv
+
+from conftest import assert_bits_equal, randn
 
 
 def make(device, num_layers=3, **kw):

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from conftest import cpu_only
 
 pytestmark = cpu_only

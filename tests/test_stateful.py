@@ -11,12 +11,13 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-from conftest import DEVICE, LAYOUTS, assert_bits_equal, dtype_of, randn, shape_of
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import nbkv
 from nbkv import reference
+
+from conftest import DEVICE, LAYOUTS, assert_bits_equal, dtype_of, randn, shape_of
 
 DTYPES = ["float32", "float64", "float16", "bfloat16"]
 SEQ = {"bhsd": 2, "bshd": 1}
