@@ -48,6 +48,42 @@ def _rows_impl(src, table, buf):
     return lambda src, table, buf: src  # float32/float64 rows are read in place
 
 
+@njit(cache=True, fastmath=_config.FASTMATH)
+def _scores(qs, kb, s):
+    """s[r, j] = qs[r] . kb[j] for every query row r and cached row j of the block.
+
+    Four query rows share each pass over a K row: one load of K feeds four dot products,
+    and the loop overhead and final horizontal sums are paid once per four (this halved
+    the time of the scores in a measurement at head_dim 128, group 4).
+    """
+    rows, dim = qs.shape
+    nb = kb.shape[0]
+    r = 0
+    while r + 4 <= rows:
+        q0, q1, q2, q3 = qs[r], qs[r + 1], qs[r + 2], qs[r + 3]
+        for j in range(nb):
+            kr = kb[j]
+            k0 = kr[0]
+            a0, a1, a2, a3 = q0[0] * k0, q1[0] * k0, q2[0] * k0, q3[0] * k0
+            for d in range(1, dim):
+                kd = kr[d]
+                a0 += q0[d] * kd
+                a1 += q1[d] * kd
+                a2 += q2[d] * kd
+                a3 += q3[d] * kd
+            s[r, j], s[r + 1, j], s[r + 2, j], s[r + 3, j] = a0, a1, a2, a3
+        r += 4
+    while r < rows:  # the rows left over, one at a time
+        qr = qs[r]
+        for j in range(nb):
+            kr = kb[j]
+            a0 = qr[0] * kr[0]
+            for d in range(1, dim):
+                a0 += qr[d] * kr[d]
+            s[r, j] = a0
+        r += 1
+
+
 @njit(parallel=True, cache=True, fastmath=_config.FASTMATH)
 def attend(q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
     """Attention of ``q`` over the first ``seq_len`` positions of a "bhsd" cache.
@@ -89,14 +125,7 @@ def attend(q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
             j1 = min(j0 + _BLOCK, seq_len)
             nb = j1 - j0
             kb = _rows(k_cache[b, kvh, j0:j1], table, k_buf)
-            for r in range(rows):
-                qr = qs[r]
-                for j in range(nb):
-                    kr = kb[j]
-                    dot = qr[0] * kr[0]
-                    for d in range(1, dim):
-                        dot += qr[d] * kr[d]
-                    s[r, j] = dot
+            _scores(qs, kb, s)
             if j0 < all_lo or j1 > all_hi:
                 # a block at the edge of the causal mask or the window: mask per row
                 for r in range(rows):
