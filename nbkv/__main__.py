@@ -1,8 +1,11 @@
-"""The command line: ``python -m nbkv demo`` and ``python -m nbkv info``.
+"""The command line: ``python -m nbkv demo``, ``append-demo`` and ``info``.
 
-``demo`` runs :func:`nbkv.demo.run_demo` (a synthetic prefill and decode loop, timed
-against NumPy); ``info`` prints versions, supported dtypes and the state of CUDA. Bad input
-is reported as ``error: ...`` with exit status 2.
+``demo`` runs :func:`nbkv.demo.run_model_demo` (greedy decoding with the built-in model,
+with an nbkv cache and recomputing without one, timed and plotted); ``append-demo`` runs
+:func:`nbkv.demo.run_append_demo` (a synthetic prefill and decode loop of appends, timed
+against NumPy); ``info`` prints versions, supported dtypes and the state of CUDA. This
+module only parses arguments: the logic lives in :mod:`nbkv.demo`. Bad input is reported
+as ``error: ...`` with exit status 2.
 """
 
 from __future__ import annotations
@@ -45,8 +48,40 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m nbkv", description="nbkv: a KV cache for transformer decoding"
     )
-    sub = parser.add_subparsers(dest="command", metavar="{demo,info}")
-    demo = sub.add_parser("demo", help="prefill + decode into a KVCache, timed against NumPy")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,append-demo,info}")
+
+    demo = sub.add_parser(
+        "demo",
+        help="greedy decoding with the built-in model: nbkv cache vs recomputing, timed",
+        description="Decode with nbkv.models.Llama.default(), once with an nbkv KVCache and "
+        "once recomputing the whole sequence per token (forward_nocache); check that both "
+        "give the same tokens, report latency, tokens/s and cache memory, and plot latency "
+        "per token (needs matplotlib: pip install 'nbkv[demo]').",
+    )
+    demo.add_argument("--new-tokens", type=int, default=200, help="tokens to generate, >= 2 (200)")
+    which = demo.add_mutually_exclusive_group()
+    which.add_argument(
+        "--prompt", default=None, help="prompt text, as UTF-8 bytes (default: a built-in line)"
+    )
+    which.add_argument(
+        "--prompt-tokens", type=int, default=None, help="instead, N random prompt token ids"
+    )
+    demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cache device")
+    demo.add_argument("--seed", type=int, default=0, help="seed of random prompt ids (0)")
+    demo.add_argument(
+        "--out", dest="out_dir", default="nbkv-demo", help="folder for the plot (nbkv-demo)"
+    )
+    demo.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="Numba and BLAS threads while decoding, for both methods (1; 0 leaves both as "
+        "they are; BLAS is limited through threadpoolctl, if installed)",
+    )
+
+    append = sub.add_parser(
+        "append-demo", help="synthetic prefill + decode appends into a KVCache, vs NumPy"
+    )
     for flag, dest, default, what in (
         ("--layers", "num_layers", 8, "layers"),
         ("--kv-heads", "num_kv_heads", 8, "KV heads per layer"),
@@ -56,10 +91,10 @@ def _parser() -> argparse.ArgumentParser:
         ("--new-tokens", "new_tokens", 256, "decode steps"),
         ("--seed", "seed", 0, "seed of the random K/V data"),
     ):
-        demo.add_argument(flag, dest=dest, type=int, default=default, help=f"{what} ({default})")
-    demo.add_argument("--dtype", default="float32", help="storage dtype (float32)")
-    demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    demo.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
+        append.add_argument(flag, dest=dest, type=int, default=default, help=f"{what} ({default})")
+    append.add_argument("--dtype", default="float32", help="storage dtype (float32)")
+    append.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    append.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
     sub.add_parser("info", help="versions, dtypes and CUDA availability")
     return parser
 
@@ -74,12 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         return _info()
 
-    from .demo import run_demo
+    from .demo import run_append_demo, run_model_demo
     from .errors import KVCacheError
 
+    run = run_model_demo if args.command == "demo" else run_append_demo
     options = {k: v for k, v in vars(args).items() if k != "command"}
+    if args.command == "demo" and args.threads == 0:
+        options["threads"] = None
     try:
-        run_demo(**options)
+        run(**options)
     except KVCacheError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -11,6 +11,11 @@ import os
 # when a kernel module is first imported (Numba fixes it at compile time).
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
+# CPU attention runs on the thread pool from this much work (query rows x K/V elements
+# read) up; below it, on the calling thread (waking the pool costs more than it saves for
+# a small model's decode step, and much more on a busy machine)
+ATTENTION_PARALLEL_MIN = 1 << 21
+
 THREADS_PER_BLOCK = 256
 MAX_BLOCKS = 65_535
 WARP = 32

@@ -119,16 +119,23 @@ class CPUBackend:
         """Nothing the CPU kernels cannot do."""
 
     def attend(self, layout, q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
-        kernel = cpu_attention.attend if layout == "bhsd" else cpu_attention.attend_bshd
+        if layout == "bshd":  # the kernel reads [batch, num_kv_heads, seq, head_dim] views
+            k_cache, v_cache = k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3)
+        batch, num_heads, n_q, head_dim = q.shape
+        span = seq_len - (max(0, seq_len - n_q - window + 1) if window else 0)
+        # elements of K and V read, times the query rows each serves: the work to split
+        work = batch * num_heads * n_q * span * head_dim
+        parallel = work >= _config.ATTENTION_PARALLEL_MIN
+        kernel = cpu_attention.attend if parallel else cpu_attention.attend_serial
         kernel(q, k_cache, v_cache, seq_len, scale, causal, window, table, out)
 
     def append_attend(
         self, layout, q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out
     ):
-        kernel = (
-            cpu_attention.append_attend if layout == "bhsd" else cpu_attention.append_attend_bshd
-        )
-        kernel(q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out)
+        # two cached kernels back to back: on the CPU one call buys nothing more
+        self.write_kv(layout, k, v, pos, k_cache, v_cache)
+        n = k.shape[2 if layout == "bhsd" else 1]
+        self.attend(layout, q, k_cache, v_cache, pos + n, scale, causal, window, table, out)
 
     @staticmethod
     def finish_attention(result, out):

@@ -1,22 +1,32 @@
-"""A synthetic prefill and decode loop over a model-shaped :class:`nbkv.KVCache`.
+"""The demos behind ``python -m nbkv demo`` and ``python -m nbkv append-demo``.
 
-Three ways of keeping K/V are timed in the same run: nbkv's ``KVCache`` and NumPy slice
-assignment into preallocated arrays with a hand-kept cursor take turns at every decode
-step (in a fresh random order, so that machine noise hits both alike); growth by
-``np.concatenate`` (what naive code does; done with :func:`nbkv.reference.append`, which
-is exactly that) decodes the same tokens in a pass of its own, since its copies of the
-whole cache would flush the CPU caches between the other two. At the end nbkv's buffers are
-checked bit for bit against the concatenated reference.
+:func:`run_model_demo` (``demo``) decodes with the built-in model
+(:meth:`nbkv.models.Llama.default`) twice in one run: once with its keys and values in an
+nbkv :class:`~nbkv.KVCache` (each step runs the decoder over one new position), once
+without a cache (each step recomputes the whole sequence with
+:meth:`~nbkv.models.Llama.forward_nocache`, quadratic in its length). Both decode greedily
+and must produce the same tokens. It reports per-token latency, tokens/s and cache memory,
+and plots latency against position (matplotlib, the ``demo`` extra).
 
-Run it as ``python -m nbkv demo`` or call :func:`run_demo`.
+:func:`run_append_demo` (``append-demo``) is a synthetic prefill and decode loop over a
+model-shaped cache with no model: three ways of keeping K/V are timed in the same run.
+nbkv's ``KVCache`` and NumPy slice assignment into preallocated arrays with a hand-kept
+cursor take turns at every decode step (in a fresh random order, so that machine noise
+hits both alike); growth by ``np.concatenate`` (what naive code does; done with
+:func:`nbkv.reference.append`, which is exactly that) decodes the same tokens in a pass of
+its own, since its copies of the whole cache would flush the CPU caches between the other
+two. At the end nbkv's buffers are checked bit for bit against the concatenated reference.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple, TextIO
 
 import numpy as np
 
@@ -28,9 +38,9 @@ from .errors import InvalidArgumentError
 from .kernels import cpu as cpu_kernels
 from .layout import buffer_shape, seq_index
 
-__all__ = ["run_demo"]
+__all__ = ["DEFAULT_PROMPT", "run_append_demo", "run_model_demo"]
 
-METHODS = ("nbkv", "numpy_slice", "concatenate")
+APPEND_METHODS = ("nbkv", "numpy_slice", "concatenate")
 _LABELS = {
     "nbkv": "nbkv KVCache",
     "numpy_slice": "NumPy slice (manual cursor)",
@@ -57,7 +67,7 @@ def _ratio_line(name: str, a: float, b: float) -> str:
     return f"  nbkv vs {name}: {a / b:.2f}x the time (nbkv slower by {(a / b - 1) * 100:.0f}%)"
 
 
-def run_demo(
+def run_append_demo(
     *,
     num_layers: int = 8,
     num_kv_heads: int = 8,
@@ -113,10 +123,10 @@ def run_demo(
 
     Examples
     --------
-    >>> from nbkv.demo import run_demo
+    >>> from nbkv.demo import run_append_demo
     >>> lines = []
-    >>> r = run_demo(num_layers=2, num_kv_heads=2, head_dim=8, prompt_len=3,
-    ...              new_tokens=2, out=lines.append)
+    >>> r = run_append_demo(num_layers=2, num_kv_heads=2, head_dim=8, prompt_len=3,
+    ...                     new_tokens=2, out=lines.append)
     >>> r["seq_len"], r["nbytes"]
     (5, 1280)
     """
@@ -150,7 +160,7 @@ def run_demo(
         sync = numba_cuda.synchronize  # stop no clock before the device is done
 
     out(
-        f"nbkv demo: {L} layers x {num_kv_heads} kv heads x head_dim {head_dim}, "
+        f"nbkv append-demo: {L} layers x {num_kv_heads} kv heads x head_dim {head_dim}, "
         f"batch {batch}, {dt}, layout {layout}, device {device}"
     )
     out(f"  prompt {prompt_len} + {new_tokens} new tokens, max_seq_len {max_seq_len}, seed {seed}")
@@ -225,7 +235,7 @@ def run_demo(
     )
     out(
         f"prefill ({prompt_len} positions x {L} layers): "
-        + " | ".join(f"{m} {prefill_ms[m]:.2f} ms" for m in METHODS)
+        + " | ".join(f"{m} {prefill_ms[m]:.2f} ms" for m in APPEND_METHODS)
     )
 
     # decode: one position per layer per step. nbkv and NumPy slice take turns, in a fresh
@@ -233,7 +243,7 @@ def run_demo(
     # of its own over the same tokens: its copies of the whole cache would flush the CPU
     # caches between the other two and make their timings measure that instead.
     orders = np.random.default_rng(seed).permuted(np.tile([0, 1], (new_tokens, 1)), axis=1)
-    times = {m: np.empty(new_tokens, np.int64) for m in METHODS}
+    times = {m: np.empty(new_tokens, np.int64) for m in APPEND_METHODS}
     token_shape = (2, L) + buffer_shape(layout, batch, num_kv_heads, 1, head_dim)
 
     def token(step: int) -> np.ndarray:  # the same new K/V for a step in both passes
@@ -258,7 +268,7 @@ def run_demo(
         ks, vs = kv[0], kv[1]
         pos = prompt_len + step
         for j in orders[step]:
-            if METHODS[j] == "nbkv":
+            if APPEND_METHODS[j] == "nbkv":
                 t0 = time.perf_counter_ns()
                 for i in range(L):
                     cache[i].append(ks[i], vs[i])
@@ -271,7 +281,7 @@ def run_demo(
                     Ks[i][idx] = ks[i]
                     Vs[i][idx] = vs[i]
                 t1 = time.perf_counter_ns()
-            times[METHODS[j]][step] = t1 - t0
+            times[APPEND_METHODS[j]][step] = t1 - t0
         progress(step + 1)
     for step in range(new_tokens):
         kv = token(step)
@@ -296,8 +306,8 @@ def run_demo(
     concat_nbytes = sum(k.nbytes + v.nbytes for k, v in zip(Kc, Vc, strict=True))
     # the last np.concatenate keeps one layer's old K and V alive beside the new ones
     concat_peak = concat_nbytes + (Kc[-1].nbytes + Vc[-1].nbytes) // pos * (pos - 1)
-    median = {m: float(np.median(times[m])) / 1e3 for m in METHODS}
-    p90 = {m: float(np.percentile(times[m], 90)) / 1e3 for m in METHODS}
+    median = {m: float(np.median(times[m])) / 1e3 for m in APPEND_METHODS}
+    p90 = {m: float(np.percentile(times[m], 90)) / 1e3 for m in APPEND_METHODS}
     out(
         f"after decode: seq_len {cache.seq_len}/{max_seq_len}, nbkv cache "
         f"{human_bytes(cache.nbytes)} (unchanged; the NumPy slice arrays hold the same)"
@@ -307,7 +317,7 @@ def run_demo(
         f"{human_bytes(concat_peak)} at its peak (old + new arrays alive during a concatenate)"
     )
     out(f"decode append per token, all {L} layers (us): median      p90")
-    for m in METHODS:
+    for m in APPEND_METHODS:
         out(f"  {_LABELS[m]:<30} {median[m]:>12.1f} {p90[m]:>8.1f}")
     ratio_slice = median["nbkv"] / median["numpy_slice"]
     ratio_concat = median["nbkv"] / median["concatenate"]
@@ -339,4 +349,453 @@ def run_demo(
         "p90_us": p90,
         "ratio_vs_numpy_slice": ratio_slice,
         "ratio_vs_concatenate": ratio_concat,
+    }
+
+
+# -- the model demo (python -m nbkv demo) -------------------------------------------
+
+# 64 ASCII characters: 64 tokens for the byte vocabulary of Llama.default()
+DEFAULT_PROMPT = "With a KV cache, a decoder computes the keys of each token once."
+MODEL_METHODS = ("cached", "recompute")
+_MODEL_LABELS = {
+    "cached": "nbkv KV cache",
+    "recompute": "no cache (recompute)",
+}
+PLOT_NAME = "decode_latency.png"
+
+
+class _Progress:
+    """A one-line bar redrawn with ``\\r`` on a terminal, a line at each quarter otherwise.
+
+    Writes to ``stream`` only, between timed regions; ``stream=None`` shows nothing.
+    """
+
+    def __init__(self, label: str, total: int, stream: TextIO | None) -> None:
+        self.label, self.total, self.stream = label, total, stream
+        self.tty = stream is not None and stream.isatty()
+        self.marks = {max(1, round(total * q / 4)) for q in (1, 2, 3, 4)}
+        self.shown = -1
+
+    def update(self, done: int) -> None:
+        if self.stream is None:
+            return
+        if self.tty:
+            percent = 100 * done // self.total
+            if percent == self.shown and done != self.total:
+                return  # redraw only when the figure moves
+            self.shown = percent
+            bar = "#" * (30 * done // self.total)
+            end = "\n" if done == self.total else ""
+            self.stream.write(f"\r{self.label:<22} [{bar:<30}] {done}/{self.total}{end}")
+        elif done in self.marks:
+            self.stream.write(f"{self.label}: {done}/{self.total} tokens\n")
+        self.stream.flush()
+
+
+def _matplotlib_figure() -> tuple[Any, str | None]:
+    """matplotlib's ``Figure`` class, or ``(None, why it cannot be had)``."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        return None, f"matplotlib is not installed ({err}); pip install 'nbkv[demo]'"
+    return Figure, None
+
+
+def _plot_latency(
+    Figure: Any,  # matplotlib.figure.Figure
+    path: Path,
+    positions: np.ndarray,
+    ms: dict[str, np.ndarray],
+    title: str,
+) -> None:
+    """Latency per decoded token against its position, one line per method, as a PNG.
+
+    Uses ``matplotlib.figure.Figure`` directly (no pyplot), so no global backend or
+    figure state of the caller's session is touched.
+    """
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    fig = Figure(figsize=(8, 4.8), layout="constrained")
+    ax = fig.add_subplot()
+    colors = {"cached": "tab:blue", "recompute": "tab:orange"}
+    for m in MODEL_METHODS:
+        label = f"{_MODEL_LABELS[m]}: median {np.median(ms[m]):.2f} ms"
+        ax.plot(positions, ms[m], color=colors[m], linewidth=1.2, label=label)
+    ax.set_yscale("log")
+    # ticks at 1-2-5 steps, labelled as plain numbers of ms
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("position of the new token (= tokens before it)")
+    ax.set_ylabel("latency per token (ms, log scale)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper left")
+    fig.savefig(path, dpi=120)
+
+
+def _check_threads(value: object) -> int | None:
+    if value is None:
+        return None
+    import numba
+
+    n = positive_int(value, "threads")
+    most = numba.config.NUMBA_NUM_THREADS
+    if n > most:
+        raise InvalidArgumentError(f"threads must be in [1, {most}] (NUMBA_NUM_THREADS), got {n}")
+    return n
+
+
+def _blas_limits(n: int) -> Any:
+    """threadpoolctl's limit of BLAS to ``n`` threads (a context manager), or None
+    where threadpoolctl is not installed."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return None
+    return threadpool_limits(limits=n, user_api="blas")
+
+
+_BLAS_ENV = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+class _Threads(NamedTuple):
+    numba: int  # Numba's threads
+    blas: str  # BLAS's threads, short: "1", "2" or "default"
+    about: str  # a line on both, with how they were set
+
+
+@contextlib.contextmanager
+def _thread_limits(n: int | None) -> Iterator[_Threads]:
+    """Numba's and BLAS's threads set to ``n`` inside (None: as they are); restored after.
+
+    BLAS is limited through threadpoolctl when it is installed. Without it nothing can
+    limit BLAS from here: OpenBLAS reads ``OPENBLAS_NUM_THREADS`` once, when NumPy loads
+    it, which ``import nbkv`` has done before this runs; the line says so.
+    """
+    import numba
+
+    saved = numba.get_num_threads()
+    with contextlib.ExitStack() as stack:
+        blas_limited = False
+        if n is not None:
+            numba.set_num_threads(n)
+            stack.callback(numba.set_num_threads, saved)
+            limits = _blas_limits(n)
+            if limits is not None:
+                stack.enter_context(limits)
+                blas_limited = True
+        try:
+            from threadpoolctl import threadpool_info
+        except ImportError:
+            env = [f"{k}={os.environ[k]}" for k in _BLAS_ENV if k in os.environ]
+            blas = "default"
+            how = f"its default ({', '.join(env)} in the environment)" if env else "its default"
+            if n is not None:
+                how += (
+                    f", not limited: threadpoolctl is not installed (pip install threadpoolctl, "
+                    f"or start Python with OPENBLAS_NUM_THREADS={n})"
+                )
+        else:
+            pools = [i for i in threadpool_info() if i["user_api"] == "blas"]
+            blas = ",".join(str(i["num_threads"]) for i in pools) or "default"
+            how = ", ".join(f"{i['internal_api']} {i['num_threads']}" for i in pools)
+            how = (how or "none found") + (" (threadpoolctl)" if blas_limited else "")
+        yield _Threads(
+            numba.get_num_threads(), blas, f"Numba {numba.get_num_threads()}, BLAS {how}"
+        )
+
+
+def run_model_demo(
+    *,
+    new_tokens: int = 200,
+    prompt: str | None = None,
+    prompt_tokens: int | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+    out_dir: str | os.PathLike | None = "nbkv-demo",
+    threads: int | None = 1,
+    out: Callable[[str], Any] = print,
+    progress: TextIO | None | str = "stderr",
+) -> dict[str, Any]:
+    """Decode greedily with ``Llama.default()``, with an nbkv cache and without one.
+
+    The prompt is run through the model once by each method (the first new token), then
+    each further token is decoded: with the cache, :meth:`~nbkv.models.Llama.forward`
+    over the one new position, its K/V appended to the cache; without, a full
+    :meth:`~nbkv.models.Llama.forward_nocache` over every position so far, whose cost
+    grows with the length. The two passes run one after the other in the same process,
+    under the same thread settings, after a warm-up that compiles (or loads) every
+    kernel, and must produce the same tokens.
+
+    Parameters
+    ----------
+    new_tokens : int >= 2
+        Tokens to generate (the first from the prompt pass; the rest are decode steps,
+        the ones timed per token).
+    prompt : str, optional
+        Prompt text, encoded as UTF-8 bytes (the model's vocabulary is bytes). Default
+        :data:`DEFAULT_PROMPT` (64 bytes).
+    prompt_tokens : int, optional
+        Instead of text, this many random token ids from ``default_rng(seed)``.
+    device : {"cpu", "cuda"}
+        Where the cache keeps K/V (the model computes on the host either way; a CUDA
+        cache returns each layer's attention with one device-to-host copy). The
+        recompute path keeps no cache and runs on the host.
+    seed : int
+        Seed of the random prompt ids.
+    out_dir : path, optional
+        Folder for the plot (created if needed); None writes no plot.
+    threads : int, optional, default 1
+        Numba threads (``numba.set_num_threads``) and BLAS threads (through threadpoolctl,
+        if installed) while both methods run, restored after; None leaves both as they
+        are. Both methods run under the same setting. One by default: on a small machine
+        Numba's OpenMP workers and OpenBLAS's threads contend for the cores, with each
+        other and with other processes, and a parallel region or a threaded product that
+        waits for a descheduled thread costs milliseconds. On a shared 2-core machine,
+        Numba's 2 threads made the cached steps ~32 ms instead of ~0.3 ms whenever
+        another process was busy, and OpenBLAS's 2 threads made recompute steps up to
+        ~450 ms instead of ~14 ms; on an idle one, 2 BLAS threads make recompute ~25%
+        faster.
+    out : callable
+        Receives each line of the report.
+    progress : file, None or "stderr"
+        Where the progress bar goes (a ``\\r`` bar on a terminal, a line at each quarter
+        otherwise); None shows none.
+
+    Returns
+    -------
+    dict
+        ``prompt_ids`` and ``tokens`` (int64 arrays), ``positions`` (of the decode
+        steps), ``ms`` (latency per decode step, an array per method: ``"cached"``,
+        ``"recompute"``), ``first_token_ms``, ``median_ms``, ``p90_ms``,
+        ``tokens_per_s`` (new tokens over total time) and ``total_s`` (each a dict keyed
+        by method), ``ratio_total`` (recompute's total time over the cache's),
+        ``max_logit_diff``, ``nbytes`` (the cache's buffers), ``seq_len``,
+        ``max_seq_len``, ``warmup_s``, ``plot`` (the PNG's path, or None),
+        ``plot_skipped`` (why not, or None) and ``config``.
+
+    Raises
+    ------
+    KVCacheError
+        A bad argument, or ``device="cuda"`` without a GPU; raised before anything runs.
+    AssertionError
+        If the two methods decode different tokens.
+
+    Examples
+    --------
+    >>> from nbkv.demo import run_model_demo
+    >>> lines = []
+    >>> r = run_model_demo(new_tokens=3, prompt_tokens=4, out_dir=None,
+    ...                    out=lines.append, progress=None)
+    >>> r["tokens"].shape, r["seq_len"], r["nbytes"]
+    ((3,), 6, 12288)
+    """
+    from .models import Llama
+
+    new_tokens = positive_int(new_tokens, "new_tokens")
+    if new_tokens < 2:
+        raise InvalidArgumentError(
+            f"new_tokens must be >= 2 (the first comes from the prompt pass, the rest are "
+            f"the decode steps timed per token), got {new_tokens}"
+        )
+    if prompt is not None and prompt_tokens is not None:
+        raise InvalidArgumentError("give prompt or prompt_tokens, not both")
+    if prompt_tokens is not None:
+        prompt_tokens = positive_int(prompt_tokens, "prompt_tokens")
+    elif prompt is None:
+        prompt = DEFAULT_PROMPT
+    elif not isinstance(prompt, str) or not prompt:
+        raise InvalidArgumentError(f"prompt must be a non-empty str, got {prompt!r}")
+    threads = _check_threads(threads)
+    stream = sys.stderr if progress == "stderr" else progress
+
+    model = Llama.default(device=device)  # checks device
+    c = model.config
+    if prompt_tokens is not None:
+        ids = np.random.default_rng(seed).integers(0, c.vocab_size, prompt_tokens)
+        about = f"{prompt_tokens} random token id{'s' * (prompt_tokens > 1)} (seed {seed})"
+    else:
+        ids = np.frombuffer(prompt.encode("utf-8", "surrogateescape"), np.uint8)
+        preview = prompt if len(prompt) <= 72 else prompt[:69] + "..."
+        about = f"{len(ids)} tokens, the UTF-8 bytes of {preview!r}"
+    ids = ids.astype(np.int64)
+    n_prompt = len(ids)
+    # the last new token is never fed back, so it needs no position
+    cache = model.new_cache(1, n_prompt + new_tokens - 1)  # no GPU: raises here
+    Figure, plot_skipped = (None, "no output folder given") if out_dir is None else (None, None)
+    path = None
+    if out_dir is not None:
+        Figure, plot_skipped = _matplotlib_figure()
+        if Figure is not None:
+            folder = Path(out_dir)
+            if folder.exists() and not folder.is_dir():
+                raise InvalidArgumentError(f"out_dir {str(folder)!r} exists and is not a folder")
+            path = folder / PLOT_NAME
+    cuda = device == "cuda"
+    sync: Callable[[], Any] = lambda: None  # noqa: E731
+    if cuda:
+        from numba import cuda as numba_cuda
+
+        sync = numba_cuda.synchronize  # stop no clock before the device is done
+
+    with _thread_limits(threads) as running:
+        out(
+            f"nbkv demo: Llama.default(), {c.num_hidden_layers} layers, hidden "
+            f"{c.hidden_size}, {c.num_attention_heads} query / {c.num_key_value_heads} KV "
+            f"heads of head_dim {c.head_dim}, byte vocabulary ({c.vocab_size}), "
+            f"{model.num_parameters / 1e6:.1f}M parameters (seeded, untrained)"
+        )
+        out(f"  prompt: {about}; then {new_tokens} new tokens, greedy; cache on {device}")
+        out(f"  threads (both methods): {running.about}")
+        if cuda:
+            out("  the recompute path keeps no cache and runs on the host")
+            if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+                out("  the CUDA simulator is on: the cache's timings say nothing of a GPU")
+
+        # the first calls compile every kernel (or load it from Numba's on-disk cache)
+        t0 = time.perf_counter_ns()
+        some = np.array([[1, 2, 3]])  # any ids: the kernels compile per dtype, not per value
+        warm = model.new_cache(1, 3)
+        model.forward(some[:, :2], warm)
+        model.forward(some[:, 2:], warm)
+        model.forward_nocache(some)
+        sync()
+        warmup_s = (time.perf_counter_ns() - t0) / 1e9
+        out(f"warm-up: {warmup_s:.2f} s (JIT compile or cache load; in no timing below)")
+
+        steps = new_tokens - 1
+        ns = {m: np.empty(steps, np.int64) for m in MODEL_METHODS}
+        first_ns = {}
+        tokens = {m: np.empty(new_tokens, np.int64) for m in MODEL_METHODS}
+        last_logits = {m: np.empty((new_tokens, c.vocab_size), np.float32) for m in MODEL_METHODS}
+
+        # with the cache: the prompt once, then one position per step
+        bar = _Progress("decode with cache", new_tokens, stream)
+        t0 = time.perf_counter_ns()
+        logits = model.forward(ids[None], cache)[0, -1]
+        sync()
+        first_ns["cached"] = time.perf_counter_ns() - t0
+        for step in range(new_tokens):
+            if step:
+                t0 = time.perf_counter_ns()
+                logits = model.forward(tokens["cached"][None, step - 1 : step], cache)[0, -1]
+                sync()
+                ns["cached"][step - 1] = time.perf_counter_ns() - t0
+            last_logits["cached"][step] = logits
+            tokens["cached"][step] = int(logits.argmax())
+            bar.update(step + 1)
+
+        # without: every step runs the whole sequence so far
+        seq = np.empty(n_prompt + new_tokens, np.int64)
+        seq[:n_prompt] = ids
+        bar = _Progress("recompute, no cache", new_tokens, stream)
+        for step in range(new_tokens):
+            n = n_prompt + step
+            t0 = time.perf_counter_ns()
+            logits = model.forward_nocache(seq[None, :n])[0, -1]
+            t1 = time.perf_counter_ns()
+            if step:
+                ns["recompute"][step - 1] = t1 - t0
+            else:
+                first_ns["recompute"] = t1 - t0
+            last_logits["recompute"][step] = logits
+            seq[n] = tokens["recompute"][step] = int(logits.argmax())
+            bar.update(step + 1)
+
+    # correctness first: the same greedy tokens, step by step
+    differ = np.flatnonzero(tokens["cached"] != tokens["recompute"])
+    first_diff = int(differ[0]) if len(differ) else new_tokens
+    # logits are comparable up to (and at) the first step that differs
+    upto = min(first_diff + 1, new_tokens)
+    diff = np.abs(last_logits["cached"][:upto] - last_logits["recompute"][:upto])
+    max_diff = float(diff.max())
+    if len(differ):
+        raise AssertionError(
+            f"new token {first_diff} (position {n_prompt + first_diff}) differs: the cache "
+            f"gave {tokens['cached'][first_diff]}, recomputation "
+            f"{tokens['recompute'][first_diff]} (max |logit difference| so far {max_diff:.3g})"
+        )
+
+    ms = {m: ns[m] / 1e6 for m in MODEL_METHODS}
+    first_ms = {m: first_ns[m] / 1e6 for m in MODEL_METHODS}
+    median = {m: float(np.median(ms[m])) for m in MODEL_METHODS}
+    p90 = {m: float(np.percentile(ms[m], 90)) for m in MODEL_METHODS}
+    total_s = {m: (first_ns[m] + int(ns[m].sum())) / 1e9 for m in MODEL_METHODS}
+    per_s = {m: new_tokens / total_s[m] for m in MODEL_METHODS}
+    ratio = total_s["recompute"] / total_s["cached"]
+    positions = np.arange(n_prompt + 1, n_prompt + new_tokens)
+
+    k_shape = (1, c.num_key_value_heads, cache.max_seq_len, c.head_dim)
+    out(
+        f"KV cache: {human_bytes(cache.nbytes)} on {device} ({c.num_hidden_layers} layers x "
+        f"K and V of {list(k_shape)} float32; {human_bytes(cache.nbytes / cache.max_seq_len)}"
+        f" per position), seq_len {cache.seq_len}/{cache.max_seq_len}"
+    )
+    out("  the recompute path holds no cache: each step recomputes K/V of every position")
+    out(f"{'':24}{'first token':>12}{'per new token (ms)':>22}{'tokens/s':>11}{'total':>10}")
+    out(f"{'':24}{'(prompt)':>12}{'median':>12}{'p90':>10}")
+    for m in MODEL_METHODS:
+        out(
+            f"  {_MODEL_LABELS[m]:<22}{first_ms[m]:>9.2f} ms{median[m]:>12.3f}{p90[m]:>10.3f}"
+            f"{per_s[m]:>11.0f}{total_s[m]:>8.3f} s"
+        )
+    out(
+        f"recompute takes {ratio:.3g}x the total time of decoding with the cache "
+        f"({median['recompute'] / median['cached']:.3g}x the median per token)"
+    )
+    tenth = max(1, steps // 10)
+    grows = {m: (np.median(ms[m][:tenth]), np.median(ms[m][-tenth:])) for m in MODEL_METHODS}
+    out(
+        f"per token, first tenth of the steps -> last: recompute {grows['recompute'][0]:.2f} -> "
+        f"{grows['recompute'][1]:.2f} ms, with the cache {grows['cached'][0]:.2f} -> "
+        f"{grows['cached'][1]:.2f} ms (median of each)"
+    )
+    out(
+        f"correctness: greedy tokens identical for all {new_tokens} new tokens; logits "
+        f"agree to max |difference| {max_diff:.2g}"
+    )
+
+    if path is not None:
+        title = (
+            f"Greedy decoding, Llama.default() ({c.num_hidden_layers} layers, "
+            f"{c.num_attention_heads}/{c.num_key_value_heads} heads, head_dim {c.head_dim}): "
+            f"with an nbkv cache vs recomputing\nprompt {n_prompt} + {new_tokens} new tokens, "
+            f"float32, cache on {device}, {os.cpu_count()} CPUs, threads: Numba {running.numba}, "
+            f"BLAS {running.blas}"
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _plot_latency(Figure, path, positions, ms, title)
+        out(f"plot: {path}")
+    else:
+        out(f"plot: skipped ({plot_skipped})")
+
+    return {
+        "config": {
+            "model": "Llama.default()",
+            "prompt_len": n_prompt,
+            "new_tokens": new_tokens,
+            "device": device,
+            "seed": seed,
+            "threads": threads,
+            "numba_threads": running.numba,
+            "blas_threads": running.blas,
+        },
+        "prompt_ids": ids,
+        "tokens": tokens["cached"],
+        "positions": positions,
+        "ms": ms,
+        "first_token_ms": first_ms,
+        "median_ms": median,
+        "p90_ms": p90,
+        "tokens_per_s": per_s,
+        "total_s": total_s,
+        "ratio_total": ratio,
+        "max_logit_diff": max_diff,
+        "nbytes": cache.nbytes,
+        "seq_len": cache.seq_len,
+        "max_seq_len": cache.max_seq_len,
+        "warmup_s": warmup_s,
+        "plot": path,
+        "plot_skipped": plot_skipped,
     }

@@ -64,6 +64,21 @@ def test_attention_matches_the_reference(
 
 
 @cpu_only
+@pytest.mark.parametrize("parallel_min", [0, 1 << 62])  # always / never on the thread pool
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_parallel_and_serial_cpu_kernels_match_the_reference(
+    rng, monkeypatch, parallel_min, layout
+):
+    monkeypatch.setattr(_config, "ATTENTION_PARALLEL_MIN", parallel_min)
+    cache, K, V = make_cache(rng, layout, "bfloat16", 4, 16, 70, 80, batch=3)
+    q = randn(rng, (3, 16, 3, 16), "float32")
+    for window in (None, 20):
+        got = nbkv.attention(q, cache, window=window)
+        want = reference.attention(q, K, V, window=window, layout=layout)
+        np.testing.assert_allclose(got, want, rtol=0, atol=TOL)
+
+
+@cpu_only
 def test_float64_queries_over_a_float64_cache_stay_float64(rng):
     cache, K, V = make_cache(rng, "bshd", "float64", 2, 8, 9, 12)
     q = randn(rng, (2, 4, 3, 8), "float64")

@@ -21,7 +21,7 @@ from numba.extending import overload
 from .. import _config
 from .cpu import write_kv, write_kv_bshd
 
-__all__ = ["attend", "attend_bshd", "append_attend", "append_attend_bshd"]
+__all__ = ["attend", "attend_serial", "attend_bshd", "append_attend", "append_attend_bshd"]
 
 # positions scored per step of the online softmax: a block of K (or V) rows, 32 KiB of
 # float32 at head_dim 128, stays in L1/L2 while every query row of the group uses it
@@ -84,7 +84,77 @@ def _scores(qs, kb, s):
         r += 1
 
 
-@njit(parallel=True, cache=True, fastmath=_config.FASTMATH)
+@njit(cache=True, fastmath=_config.FASTMATH)
+def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out, task):
+    """:func:`attend` for one (batch row, KV head) pair, ``task = b * num_kv_heads + kvh``."""
+    batch, num_heads, n_q, dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    rows = group * n_q  # query rows sharing one KV head: row r = g * n_q + i
+    first = seq_len - n_q  # position of the first query (the last is seq_len - 1)
+    # the positions any query of the chunk can see, and those every query sees
+    lo = max(0, first - window + 1) if window > 0 else 0
+    all_lo = max(0, seq_len - window) if window > 0 else 0
+    all_hi = first + 1 if causal else seq_len
+    b = task // num_kv_heads
+    kvh = task - b * num_kv_heads
+    qs = np.empty((rows, dim), q.dtype)  # the group's queries, scale folded in
+    for g in range(group):
+        for i in range(n_q):
+            for d in range(dim):
+                qs[g * n_q + i, d] = q[b, kvh * group + g, i, d] * scale
+    m = np.full(rows, -np.inf, q.dtype)  # running maximum score per row
+    denom = np.zeros(rows, q.dtype)  # running sum of exp(score - m)
+    acc = np.zeros((rows, dim), q.dtype)  # running sum of exp(score - m) * V
+    s = np.empty((rows, _BLOCK), q.dtype)  # this block's scores, then weights
+    k_buf = np.empty((_BLOCK, dim), q.dtype)  # widened rows (16-bit caches only)
+    v_buf = np.empty((_BLOCK, dim), q.dtype)
+    for j0 in range(lo, seq_len, _BLOCK):
+        j1 = min(j0 + _BLOCK, seq_len)
+        nb = j1 - j0
+        kb = _rows(k_cache[b, kvh, j0:j1], table, k_buf)
+        _scores(qs, kb, s)
+        if j0 < all_lo or j1 > all_hi:
+            # a block at the edge of the causal mask or the window: mask per row
+            for r in range(rows):
+                p = first + r % n_q
+                for j in range(nb):
+                    if (causal and j0 + j > p) or (window > 0 and j0 + j <= p - window):
+                        s[r, j] = -np.inf
+        for r in range(rows):
+            block_max = -np.inf
+            for j in range(nb):
+                block_max = max(block_max, s[r, j])
+            if block_max == -np.inf:  # nothing visible to this row in this block
+                for j in range(nb):
+                    s[r, j] = 0.0
+                continue
+            m_new = max(m[r], block_max)
+            # rescale what was accumulated under the old maximum (exp(-inf) = 0)
+            correction = np.exp(m[r] - m_new)
+            denom[r] *= correction
+            for d in range(dim):
+                acc[r, d] *= correction
+            m[r] = m_new
+            for j in range(nb):
+                w = np.exp(s[r, j] - m_new)
+                s[r, j] = w
+                denom[r] += w
+        vb = _rows(v_cache[b, kvh, j0:j1], table, v_buf)
+        for j in range(nb):
+            vr = vb[j]
+            for r in range(rows):
+                w = s[r, j]
+                for d in range(dim):
+                    acc[r, d] += w * vr[d]
+    for r in range(rows):
+        h = kvh * group + r // n_q
+        inv = 1.0 / denom[r]
+        for d in range(dim):
+            out[b, h, r % n_q, d] = acc[r, d] * inv
+
+
+@njit(parallel=True, cache=True)
 def attend(q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
     """Attention of ``q`` over the first ``seq_len`` positions of a "bhsd" cache.
 
@@ -98,75 +168,22 @@ def attend(q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
     table: float32[65536] widening table for uint16 caches (see nbkv.dtypes.widen_table).
     out: shape [batch, num_heads, n_q, head_dim], q's dtype. Mutated.
     """
-    batch, num_heads, n_q, dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    rows = group * n_q  # query rows sharing one KV head: row r = g * n_q + i
-    first = seq_len - n_q  # position of the first query (the last is seq_len - 1)
-    # the positions any query of the chunk can see, and those every query sees
-    lo = max(0, first - window + 1) if window > 0 else 0
-    all_lo = max(0, seq_len - window) if window > 0 else 0
-    all_hi = first + 1 if causal else seq_len
-    for task in prange(batch * num_kv_heads):
-        b = task // num_kv_heads
-        kvh = task - b * num_kv_heads
-        qs = np.empty((rows, dim), q.dtype)  # the group's queries, scale folded in
-        for g in range(group):
-            for i in range(n_q):
-                for d in range(dim):
-                    qs[g * n_q + i, d] = q[b, kvh * group + g, i, d] * scale
-        m = np.full(rows, -np.inf, q.dtype)  # running maximum score per row
-        denom = np.zeros(rows, q.dtype)  # running sum of exp(score - m)
-        acc = np.zeros((rows, dim), q.dtype)  # running sum of exp(score - m) * V
-        s = np.empty((rows, _BLOCK), q.dtype)  # this block's scores, then weights
-        k_buf = np.empty((_BLOCK, dim), q.dtype)  # widened rows (16-bit caches only)
-        v_buf = np.empty((_BLOCK, dim), q.dtype)
-        for j0 in range(lo, seq_len, _BLOCK):
-            j1 = min(j0 + _BLOCK, seq_len)
-            nb = j1 - j0
-            kb = _rows(k_cache[b, kvh, j0:j1], table, k_buf)
-            _scores(qs, kb, s)
-            if j0 < all_lo or j1 > all_hi:
-                # a block at the edge of the causal mask or the window: mask per row
-                for r in range(rows):
-                    p = first + r % n_q
-                    for j in range(nb):
-                        if (causal and j0 + j > p) or (window > 0 and j0 + j <= p - window):
-                            s[r, j] = -np.inf
-            for r in range(rows):
-                block_max = -np.inf
-                for j in range(nb):
-                    block_max = max(block_max, s[r, j])
-                if block_max == -np.inf:  # nothing visible to this row in this block
-                    for j in range(nb):
-                        s[r, j] = 0.0
-                    continue
-                m_new = max(m[r], block_max)
-                # rescale what was accumulated under the old maximum (exp(-inf) = 0)
-                correction = np.exp(m[r] - m_new)
-                denom[r] *= correction
-                for d in range(dim):
-                    acc[r, d] *= correction
-                m[r] = m_new
-                for j in range(nb):
-                    w = np.exp(s[r, j] - m_new)
-                    s[r, j] = w
-                    denom[r] += w
-            vb = _rows(v_cache[b, kvh, j0:j1], table, v_buf)
-            for j in range(nb):
-                vr = vb[j]
-                for r in range(rows):
-                    w = s[r, j]
-                    for d in range(dim):
-                        acc[r, d] += w * vr[d]
-        for r in range(rows):
-            h = kvh * group + r // n_q
-            inv = 1.0 / denom[r]
-            for d in range(dim):
-                out[b, h, r % n_q, d] = acc[r, d] * inv
+    for task in prange(q.shape[0] * k_cache.shape[1]):
+        _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out, task)
 
 
 @njit(cache=True)
+def attend_serial(q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
+    """:func:`attend` on the calling thread alone: for small work (a decode step of a
+    small model), where waking a thread pool costs more than it saves. Mutates ``out``."""
+    for task in range(q.shape[0] * k_cache.shape[1]):
+        _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out, task)
+
+
+# the wrappers below are not cache=True: a cached function that calls a parallel one
+# crashed when Numba loaded it back from its on-disk cache (numba 0.68). nbkv's own
+# dispatch calls the cached kernels above directly; these serve users' @njit code.
+@njit
 def attend_bshd(q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
     """:func:`attend` for a "bshd" cache: k_cache, v_cache [batch, >= seq_len, num_kv_heads,
     head_dim]. Mutates ``out``."""
@@ -183,8 +200,6 @@ def attend_bshd(q, k_cache, v_cache, seq_len, scale, causal, window, table, out)
     )
 
 
-# not cache=True: a cached function that calls a parallel one crashed when Numba loaded it
-# back from its on-disk cache (numba 0.68); compiled once per process instead
 @njit
 def append_attend(q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out):
     """Write ``k``, ``v`` at ``pos`` (as :func:`nbkv.kernels.write_kv`), then attend ``q``
