@@ -141,17 +141,60 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
                 s[r, j] = w
                 denom[r] += w
         vb = _rows(v_cache[b, kvh, j0:j1], table, v_buf)
-        for j in range(nb):
-            vr = vb[j]
-            for r in range(rows):
-                w = s[r, j]
-                for d in range(dim):
-                    acc[r, d] += w * vr[d]
+        _accumulate(s, vb, acc)
     for r in range(rows):
         h = kvh * group + r // n_q
         inv = 1.0 / denom[r]
         for d in range(dim):
             out[b, h, r % n_q, d] = acc[r, d] * inv
+
+
+@njit(cache=True, fastmath=_config.FASTMATH)
+def _accumulate(s, vb, acc):
+    """acc[r] += sum over j of s[r, j] * vb[j], for every query row r of the block.
+
+    Four rows by four positions at a time: each V row loaded is used by four rows and each
+    accumulator loaded is updated by four positions, so loads and stores per FMA drop
+    fourfold (the plain loop was bound by its stores: 2.5x slower at head_dim 128).
+    """
+    rows, dim = acc.shape
+    nb = vb.shape[0]
+    r = 0
+    while r + 4 <= rows:
+        a0, a1, a2, a3 = acc[r], acc[r + 1], acc[r + 2], acc[r + 3]
+        s0, s1, s2, s3 = s[r], s[r + 1], s[r + 2], s[r + 3]
+        j = 0
+        while j + 4 <= nb:
+            v0, v1, v2, v3 = vb[j], vb[j + 1], vb[j + 2], vb[j + 3]
+            w00, w01, w02, w03 = s0[j], s0[j + 1], s0[j + 2], s0[j + 3]
+            w10, w11, w12, w13 = s1[j], s1[j + 1], s1[j + 2], s1[j + 3]
+            w20, w21, w22, w23 = s2[j], s2[j + 1], s2[j + 2], s2[j + 3]
+            w30, w31, w32, w33 = s3[j], s3[j + 1], s3[j + 2], s3[j + 3]
+            for d in range(dim):
+                x0, x1, x2, x3 = v0[d], v1[d], v2[d], v3[d]
+                a0[d] += w00 * x0 + w01 * x1 + w02 * x2 + w03 * x3
+                a1[d] += w10 * x0 + w11 * x1 + w12 * x2 + w13 * x3
+                a2[d] += w20 * x0 + w21 * x1 + w22 * x2 + w23 * x3
+                a3[d] += w30 * x0 + w31 * x1 + w32 * x2 + w33 * x3
+            j += 4
+        while j < nb:  # the positions left over
+            v0 = vb[j]
+            w00, w10, w20, w30 = s0[j], s1[j], s2[j], s3[j]
+            for d in range(dim):
+                x0 = v0[d]
+                a0[d] += w00 * x0
+                a1[d] += w10 * x0
+                a2[d] += w20 * x0
+                a3[d] += w30 * x0
+            j += 1
+        r += 4
+    while r < rows:  # the rows left over, one at a time
+        a0, s0 = acc[r], s[r]
+        for j in range(nb):
+            w00, v0 = s0[j], vb[j]
+            for d in range(dim):
+                a0[d] += w00 * v0[d]
+        r += 1
 
 
 @njit(parallel=True, cache=True)
