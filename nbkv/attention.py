@@ -259,6 +259,7 @@ def append_and_attend(
     k, v, d, dtype = cache._check_append(k, v)
     pos = cache.seq_len
     plan = _plan(q, cache._backend, cache.layout, d, pos + d.seq, dtype, scale, causal, window, out)
+    cache._make_room(pos + d.seq)
     cache._ensure_allocated(d, dtype)
     be = cache._backend
     K, V = (be.attention_form(x) for x in cache._buffers())

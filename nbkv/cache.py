@@ -14,20 +14,24 @@ from typing import Any
 import numpy as np
 
 from . import layout as _layout
+from ._gather import SCRATCH, gather_schedule
 from ._units import human_bytes
-from ._validate import optional_positive_int, positive_int
+from ._validate import batch_indices, nonnegative_int, optional_positive_int, positive_int
 from .backends import get_backend
 from .dtypes import check_supported, resolve_dtype
 from .errors import (
     CacheOverflowError,
     DTypeMismatchError,
+    InvalidArgumentError,
     LayerIndexError,
     ShapeMismatchError,
 )
 
-__all__ = ["DEFAULT_MAX_SEQ_LEN", "LayerKVCache", "KVCache"]
+__all__ = ["DEFAULT_MAX_SEQ_LEN", "DEFAULT_GROW_STEP", "LayerKVCache", "KVCache"]
 
 DEFAULT_MAX_SEQ_LEN = 2048
+DEFAULT_GROW_STEP = 256
+OVERFLOW_POLICIES = ("error", "grow")
 
 _ndarray = np.ndarray
 
@@ -90,10 +94,17 @@ class LayerKVCache:
         dtype: Any = None,
         device: str = "cpu",
         layout: str = "bhsd",
+        on_overflow: str = "error",
+        grow_step: int = DEFAULT_GROW_STEP,
     ) -> None:
         self._max_seq_len = positive_int(max_seq_len, "max_seq_len")
         self._layout = _layout.check_layout(layout)
-        self._seq_axis = _layout.SEQ_AXIS[layout]
+        if on_overflow not in OVERFLOW_POLICIES:
+            raise InvalidArgumentError(
+                f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}"
+            )
+        self._on_overflow = on_overflow
+        self._grow_step = positive_int(grow_step, "grow_step")
         configured = (
             optional_positive_int(batch, "batch"),
             optional_positive_int(num_kv_heads, "num_kv_heads"),
@@ -261,7 +272,7 @@ class LayerKVCache:
 
     def _check_room(self, n: int, start: int, what: str) -> None:
         free = self._max_seq_len - start
-        if n > free:
+        if n > free and self._on_overflow != "grow":
             raise CacheOverflowError(
                 f"{what} of {n} positions does not fit: the cache holds {self._seq_len} of "
                 f"{self._max_seq_len} positions and {free} are free for it; build it "
@@ -306,6 +317,26 @@ class LayerKVCache:
         """Count ``n`` positions written by a kernel at ``seq_len`` as held."""
         self._seq_len += n
 
+    def _make_room(self, needed: int) -> None:
+        """Grow the capacity to the next multiple of ``grow_step`` that holds ``needed``.
+
+        Only with ``on_overflow="grow"`` (the checks have refused anything else). New
+        buffers are allocated and the positions held copied once; views taken before keep
+        the old buffers and the old data.
+        """
+        if needed <= self._max_seq_len:
+            return
+        capacity = -(-needed // self._grow_step) * self._grow_step
+        old_k, old_v, held = self._kk, self._vk, self._seq_len
+        self._max_seq_len = capacity
+        if old_k is None:
+            return  # a lazy cache: the first write allocates at the new capacity
+        self._allocate(self._batch, self._num_kv_heads, self._head_dim, self._dtype)
+        self._fast = None  # it points at the old buffers
+        if held:
+            index = _layout.seq_index(self._layout, 0, held)
+            self._backend.write_kv(self._layout, old_k[index], old_v[index], 0, self._kk, self._vk)
+
     # -- the reference API -----------------------------------------------------------
 
     def append(self, k: Any, v: Any) -> None:
@@ -347,6 +378,7 @@ class LayerKVCache:
         k, v, d, dtype = self._check_append(k, v)
         if d.seq == 0:
             return
+        self._make_room(self._seq_len + d.seq)
         self._ensure_allocated(d, dtype)
         be = self._backend
         be.write_kv(self._layout, be.to_kernel(k), be.to_kernel(v), pos, self._kk, self._vk)
@@ -378,6 +410,115 @@ class LayerKVCache:
     def deallocate(self) -> None:
         """Free the buffers; keep the capacity (and the sizes the constructor fixed)."""
         self._release()
+
+    # -- sequence management -----------------------------------------------------------
+
+    @property
+    def on_overflow(self) -> str:
+        """ "error" (an append past capacity raises) or "grow" (capacity grows)."""
+        return self._on_overflow
+
+    @property
+    def grow_step(self) -> int:
+        """Positions a growth rounds the capacity up to a multiple of."""
+        return self._grow_step
+
+    def crop(self, new_len: int) -> None:
+        """Keep the first ``new_len`` positions; no data moves.
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``new_len`` below 0 or above ``seq_len``.
+        """
+        new_len = nonnegative_int(new_len, "new_len")
+        if new_len > self._seq_len:
+            raise InvalidArgumentError(
+                f"new_len must be at most seq_len = {self._seq_len} (crop only shortens), "
+                f"got {new_len}"
+            )
+        self._seq_len = new_len
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` positions (all of them if fewer are held); return how many.
+
+        >>> import numpy as np, nbkv
+        >>> cache = nbkv.LayerKVCache(8)
+        >>> cache.append(np.ones((1, 1, 5, 2), np.float32), np.ones((1, 1, 5, 2), np.float32))
+        >>> cache.trim(2), cache.seq_len, cache.trim(9), cache.seq_len
+        (2, 3, 3, 0)
+        """
+        dropped = min(nonnegative_int(n, "n"), self._seq_len)
+        self._seq_len -= dropped
+        return dropped
+
+    def _indices(self, indices: Any, length: int | None) -> list[int]:
+        if self._batch is None:
+            raise InvalidArgumentError(
+                "the cache has no batch rows yet (nothing allocated, no batch given)"
+            )
+        return batch_indices(indices, self._batch, "indices", length)
+
+    def _row(self, buf, row: int, n: int):
+        """Positions ``[0, n)`` of batch row ``row`` of a kernel-form buffer, kept 4-D."""
+        return buf[row : row + 1][_layout.seq_index(self._layout, 0, n)]
+
+    def reorder(self, indices: Any) -> None:
+        """Row ``i`` becomes old row ``indices[i]``, for every batch row, in place.
+
+        Beam search's reorder: rows may repeat (two beams from one parent) and vanish.
+        ``len(indices) == batch``, each in ``[0, batch)``, checked before anything moves.
+        Done by the cache's copy kernel on its device, row by row in an order that reads
+        every row before it is overwritten; cycles (a swap) borrow one scratch batch row,
+        the only allocation.
+        """
+        rows = self._indices(indices, self._batch)
+        held = self._seq_len
+        if self._k is None or held == 0:
+            return
+        ops = gather_schedule(rows)
+        be = self._backend
+        scratch = None
+        if any(SCRATCH in op for op in ops):
+            shape = _layout.buffer_shape(self._layout, 1, self._num_kv_heads, held, self._head_dim)
+            scratch = tuple(be.kernel_view(be.empty(shape, self._dtype)) for _ in "kv")
+        for dst, src in ops:
+            if src == SCRATCH:
+                k_src, v_src = scratch
+            else:
+                k_src, v_src = self._row(self._kk, src, held), self._row(self._vk, src, held)
+            if dst == SCRATCH:
+                k_dst, v_dst = scratch
+            else:
+                k_dst, v_dst = self._kk[dst : dst + 1], self._vk[dst : dst + 1]
+            be.write_kv(self._layout, k_src, v_src, 0, k_dst, v_dst)
+
+    def select(self, indices: Any) -> LayerKVCache:
+        """A new cache whose row ``i`` is this cache's row ``indices[i]`` (any length >= 1).
+
+        Same capacity, dtype, device, layout and overflow policy; rows copied by the kernel.
+        """
+        rows = self._indices(indices, None)
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        _, heads, dim, dtype = self._configured
+        new._configured = (len(rows), heads, dim, dtype)
+        new._release()
+        if self._k is not None:
+            new._allocate(len(rows), self._num_kv_heads, self._head_dim, self._dtype)
+            held = self._seq_len
+            for i, src in enumerate(rows):
+                if held:
+                    self._backend.write_kv(
+                        self._layout,
+                        self._row(self._kk, src, held),
+                        self._row(self._vk, src, held),
+                        0,
+                        new._kk[i : i + 1],
+                        new._vk[i : i + 1],
+                    )
+            new._seq_len = held
+        return new
 
     # -- copies ----------------------------------------------------------------------
 
@@ -436,6 +577,7 @@ class LayerKVCache:
         self._deprecated("LayerKVCache.set_k()", "clear() then append(k, v)")
         arr, d, dtype = self._set(k, "k")
         self._check_room(d.seq, 0, "set_k")
+        self._make_room(d.seq)
         if self._k is None:
             self._allocate(d.batch, d.num_kv_heads, d.head_dim, dtype)
         if d.seq:
@@ -552,6 +694,39 @@ class KVCache:
         """Free every layer's buffers, keeping the capacity."""
         for layer in self._layers:
             layer.deallocate()
+
+    def crop(self, new_len: int) -> None:
+        """Keep the first ``new_len`` positions of every layer (at most ``seq_len``)."""
+        new_len = nonnegative_int(new_len, "new_len")
+        if new_len > self.seq_len:
+            raise InvalidArgumentError(
+                f"new_len must be at most seq_len = {self.seq_len} (crop only shortens), "
+                f"got {new_len}"
+            )
+        for layer in self._layers:
+            layer.crop(new_len)
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` positions of every layer; return how many ``seq_len`` lost."""
+        n = nonnegative_int(n, "n")
+        before = self.seq_len
+        for layer in self._layers:
+            layer.trim(n)
+        return before - self.seq_len
+
+    def reorder(self, indices: Any) -> None:
+        """:meth:`LayerKVCache.reorder` on every layer (checked once, before any moves)."""
+        first = self._layers[0]
+        first._indices(indices, first.batch)
+        for layer in self._layers:
+            layer.reorder(indices)
+
+    def select(self, indices: Any) -> KVCache:
+        """A new KVCache of :meth:`LayerKVCache.select` of every layer."""
+        self._layers[0]._indices(indices, None)
+        new = object.__new__(type(self))
+        new._layers = [layer.select(indices) for layer in self._layers]
+        return new
 
     def copy(self) -> KVCache:
         """An independent copy of every layer."""

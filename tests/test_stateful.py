@@ -30,13 +30,17 @@ class CacheMachine(RuleBasedStateMachine):
         dims=st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(1, 5)),
         max_seq_len=st.integers(1, 12),
         eager=st.booleans(),
+        grow=st.booleans(),
         seed=st.integers(0, 2**32 - 1),
     )
-    def build(self, layout, dtype, dims, max_seq_len, eager, seed):
+    def build(self, layout, dtype, dims, max_seq_len, eager, grow, seed):
         self.rng = np.random.default_rng(seed)
         self.layout, self.dtype, self.cap = layout, dtype_of(dtype), max_seq_len
         self.dims = dims  # (batch, num_kv_heads, head_dim) the machine writes
-        kw = dict(device=DEVICE, layout=layout)
+        self.grow = grow  # on_overflow="grow" with grow_step 4, else "error"
+        kw = dict(
+            device=DEVICE, layout=layout, on_overflow="grow" if grow else "error", grow_step=4
+        )
         if eager:
             kw.update(batch=dims[0], num_kv_heads=dims[1], head_dim=dims[2], dtype=dtype)
         self.cache = nbkv.LayerKVCache(max_seq_len, **kw)
@@ -58,6 +62,15 @@ class CacheMachine(RuleBasedStateMachine):
     def seq_len(self):
         return 0 if self.K is None else self.K.shape[SEQ[self.layout]]
 
+    def fits(self, needed):
+        """Whether ``needed`` positions fit, growing the model's capacity as the cache would."""
+        if needed <= self.cap:
+            return True
+        if self.grow:
+            self.cap = -(-needed // 4) * 4
+            return True
+        return False
+
     def expect_error(self, error, call):
         try:
             call()
@@ -70,7 +83,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 14))
     def append(self, n):
         k, v = self.arrays(n)
-        if self.seq_len + n > self.cap:
+        if n and not self.fits(self.seq_len + n):
             self.expect_error(nbkv.CacheOverflowError, lambda: self.cache.append(k, v))
             return
         self.cache.append(k, v)
@@ -126,7 +139,7 @@ class CacheMachine(RuleBasedStateMachine):
     def copy_then_diverge(self, n):
         twin = self.cache.copy()
         state = (self.K, self.V)
-        if n and self.allocated and self.seq_len + n <= self.cap:
+        if n and self.allocated and self.seq_len + n <= twin.max_seq_len:
             k, v = self.arrays(n)
             twin.append(k, v)  # must not show in the original
             state = reference.append(*state, k, v, self.layout) if self.K is not None else (k, v)
@@ -143,7 +156,7 @@ class CacheMachine(RuleBasedStateMachine):
         K, V = self.arrays(n)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            if n > self.cap:
+            if not self.fits(n):
                 self.expect_error(nbkv.CacheOverflowError, lambda: self.cache.set_k(K))
                 return
             self.cache.set_k(K)
@@ -153,6 +166,52 @@ class CacheMachine(RuleBasedStateMachine):
             self.expect_error(nbkv.ShapeMismatchError, lambda: self.cache.set_v(bad))
             self.cache.set_v(V)
         self.K, self.V = (K, V) if n else (None, None)
+
+    @rule(new_len=st.integers(-1, 14))
+    def crop(self, new_len):
+        if not 0 <= new_len <= self.seq_len:
+            self.expect_error(nbkv.InvalidArgumentError, lambda: self.cache.crop(new_len))
+            return
+        self.cache.crop(new_len)
+        self.keep(new_len)
+
+    @rule(n=st.integers(-1, 14))
+    def trim(self, n):
+        if n < 0:
+            self.expect_error(nbkv.InvalidArgumentError, lambda: self.cache.trim(n))
+            return
+        dropped = min(n, self.seq_len)
+        assert self.cache.trim(n) == dropped
+        self.keep(self.seq_len - dropped)
+
+    def keep(self, n):
+        if n == 0:
+            self.K = self.V = None
+        else:
+            index = [slice(None)] * 4
+            index[SEQ[self.layout]] = slice(0, n)
+            self.K, self.V = self.K[tuple(index)], self.V[tuple(index)]
+
+    @rule(data=st.data())
+    def reorder(self, data):
+        batch = self.dims[0]
+        rows = data.draw(st.lists(st.integers(0, batch), min_size=batch, max_size=batch))
+        if self.sizes is None or batch in rows:  # no batch yet, or an index out of range
+            self.expect_error(nbkv.InvalidArgumentError, lambda: self.cache.reorder(rows))
+            return
+        self.cache.reorder(rows)
+        if self.K is not None:
+            self.K, self.V = self.K[rows], self.V[rows]
+
+    @rule(data=st.data())
+    def select(self, data):
+        if self.sizes is None:
+            return
+        rows = data.draw(st.lists(st.integers(0, self.dims[0] - 1), min_size=1, max_size=4))
+        picked = self.cache.select(rows)
+        assert picked.batch == len(rows) and picked.max_seq_len == self.cap
+        K, V = (None, None) if self.K is None else (self.K[rows], self.V[rows])
+        self.check(picked, K, V)
 
     # -- the cache must be the model -----------------------------------------------
 
