@@ -1,0 +1,194 @@
+"""The benchmark figures, drawn from the JSON files the ``bench_*.py`` scripts write.
+
+Each function takes the loaded JSON (``json.load`` of ``results/<name>-<tag>.json``) and
+returns a ``matplotlib.figure.Figure`` (made without pyplot, so no backend or global
+figure state is touched), or draws into an ``ax`` it is given::
+
+    import json
+    from benchmarks import plots
+
+    data = json.load(open("benchmarks/results/attention-cpu.json"))
+    fig = plots.plot_attention(data)  # displays in a notebook; or:
+    plots.save(fig, "attention-cpu.png")
+
+``python -m benchmarks --plots-only`` redraws every figure in ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# methods of bench_attention.py that read K and V without attending: references, not peers
+READ_METHODS = ("read ceiling", "NumPy sum")
+
+
+def _new_axes(ax: Any, size: tuple[float, float]) -> tuple[Any, Any]:
+    if ax is not None:
+        return ax.figure, ax
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def machine_line(data: dict) -> str:
+    """One line naming the machine and the versions a benchmark JSON records."""
+    m = data.get("machine", {})
+    parts = [f"{m.get('cpu', '?')} ({m.get('cpu_count', '?')} cpus)"]
+    for lib in ("python", "numpy", "numba", "torch"):
+        if m.get(lib):
+            parts.append(f"{lib} {m[lib]}")
+    return ", ".join(parts)
+
+
+def _methods(results: dict) -> list[str]:
+    """Every method named in any case, in the order the script ran them."""
+    names: list[str] = []
+    for r in results.values():
+        names += [n for n in r["methods"] if n not in names]
+    return names
+
+
+def plot_append(data: dict, ax: Any = None) -> Any:
+    """bench_append.py: per case, one bar per method of its time relative to NumPy slice.
+
+    Log scale (np.concatenate is hundreds of times slower at decode); whiskers span the
+    method's p10 to p90 relative to NumPy slice's median; below the line at 1 is faster.
+    """
+    fig, ax = _new_axes(ax, (10, 5.5))
+    results = data["results"]
+    cases, methods = list(results), _methods(results)
+    width = 0.8 / len(methods)
+    colors = [f"C{i}" for i in range(10)]
+    for i, name in enumerate(methods):
+        xs, ys, lo, hi = [], [], [], []
+        for j, case in enumerate(cases):
+            m = results[case]["methods"].get(name)
+            if m is None:
+                continue
+            ratio = m["time_vs_numpy_slice"]
+            xs.append(j + (i - (len(methods) - 1) / 2) * width)
+            ys.append(ratio)
+            lo.append(ratio - ratio * m["us_p10"] / m["us_per_append"])
+            hi.append(ratio * m["us_p90"] / m["us_per_append"] - ratio)
+        bars = ax.bar(
+            xs,
+            ys,
+            width,
+            yerr=[lo, hi],
+            label=name,
+            color=colors[i % len(colors)],
+            error_kw={"elinewidth": 0.8, "capsize": 2, "ecolor": "0.3"},
+        )
+        ax.bar_label(
+            bars,
+            labels=[f"{y:.2f}" if y < 10 else f"{y:.0f}" for y in ys],
+            fontsize=7,
+            padding=2,
+        )
+    ax.axhline(1.0, color="0.2", linewidth=0.8, linestyle="--")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(cases)))
+    labels = []
+    for case in cases:
+        c = results[case]["case"]
+        n = c["positions_per_append"]
+        shape = ", ".join(str(s) for s in c["buffer_shape"])
+        what = "1 position" if n == 1 else f"{n} positions"
+        labels.append(f"{case}: {what} per append\ninto [{shape}]")
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("time relative to NumPy slice (log; below 1 is faster)")
+    ax.set_title(
+        "Appending K/V: median time per append, relative to NumPy slice assignment\n"
+        + machine_line(data),
+        fontsize=10,
+    )
+    ax.legend(fontsize=8, ncols=3, loc="upper right")
+    ax.grid(axis="y", which="both", alpha=0.25)
+    ax.margins(y=0.12)
+    return fig
+
+
+def plot_attention(data: dict, ax: Any = None) -> Any:
+    """bench_attention.py: GB/s of K+V read against seq_len, one line per method.
+
+    The read ceiling (a parallel ``@njit`` sum over the same bytes) is drawn dashed; the
+    nbkv API points are labelled with their share of it.
+    """
+    fig, ax = _new_axes(ax, (10.5, 5.5))
+    results = data["results"]
+    seqs = sorted(results, key=int)
+    methods = _methods(results)
+    peers = [n for n in methods if n not in READ_METHODS]
+    for i, name in enumerate(peers):
+        pts = [(int(s), results[s]["methods"][name]) for s in seqs if name in results[s]["methods"]]
+        nbkv = name.startswith("nbkv")
+        ax.plot(
+            [s for s, _ in pts],
+            [m["gb_per_s"] for _, m in pts],
+            marker="o",
+            linewidth=2.2 if nbkv else 1.3,
+            markersize=5 if nbkv else 4,
+            color=f"C{i % 10}",
+            label=name,
+        )
+        if name == "nbkv API":
+            for s, m in pts:
+                ax.annotate(
+                    f"{m['pct_of_read_ceiling']:.0f}%",
+                    (s, m["gb_per_s"]),
+                    textcoords="offset points",
+                    xytext=(0, -9),
+                    ha="center",
+                    va="top",
+                    fontsize=8,
+                    color=f"C{i % 10}",
+                )
+    styles = {"read ceiling": ("k", "--", 2.0), "NumPy sum": ("0.5", ":", 1.3)}
+    for name in (n for n in READ_METHODS if n in methods):
+        color, style, width = styles[name]
+        pts = [(int(s), results[s]["methods"][name]) for s in seqs if name in results[s]["methods"]]
+        label = "read ceiling (parallel @njit sum of K+V)" if name == "read ceiling" else name
+        ax.plot(
+            [s for s, _ in pts],
+            [m["gb_per_s"] for _, m in pts],
+            linestyle=style,
+            color=color,
+            linewidth=width,
+            marker=".",
+            label=label,
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([int(s) for s in seqs])
+    ax.set_xticklabels(seqs)
+    ax.set_xlabel("seq_len (positions held; K+V = 2 * seq_len * 8 * 128 * 4 bytes)")
+    ax.set_ylabel("GB/s of K+V read (per median call)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(
+        "Decode attention, 32 query heads over 8 KV heads, head_dim 128, float32\n"
+        "(nbkv API labelled with its share of the read ceiling; higher is faster)\n"
+        + machine_line(data),
+        fontsize=10,
+    )
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(alpha=0.25)
+    return fig
+
+
+# benchmark name (bench_<name>.py) -> the function drawing its figure
+PLOTTERS: dict[str, Callable[..., Any]] = {"append": plot_append, "attention": plot_attention}
+
+
+def save(fig: Any, path: str | Path, dpi: int = 120) -> Path:
+    """Write ``fig`` as a PNG at ``path`` (folders made as needed); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
+def draw(name: str, data: dict, path: str | Path) -> Path:
+    """Draw benchmark ``name``'s figure from its loaded JSON into the PNG ``path``."""
+    return save(PLOTTERS[name](data), path)

@@ -1,0 +1,265 @@
+"""The benchmark suite runner (``python -m benchmarks``) and its figures.
+
+No real benchmark runs here: the figures are drawn from the committed JSON files, and the
+runner runs tiny fake ``bench_*.py`` scripts written into ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import cpu_only
+
+pytestmark = cpu_only
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+if str(ROOT) not in sys.path:  # the benchmarks package lives at the repository root
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import run  # noqa: E402
+
+pytest.importorskip("matplotlib")
+
+from benchmarks import plots  # noqa: E402
+
+FAKE = """\
+import argparse, json, sys
+parser = argparse.ArgumentParser()
+parser.add_argument("--quick", action="store_true")
+parser.add_argument("--json")
+args = parser.parse_args()
+print("fake benchmark, quick" if args.quick else "fake benchmark, full")
+print("PASS  fake target: 1.0x")
+machine = {"command": " ".join([sys.executable, *sys.argv]), "python": "3", "numpy": "2",
+           "numba": "0"}
+with open(args.json, "w") as f:
+    json.dump({"machine": machine, "results": {}, "quick": args.quick}, f)
+"""
+
+BROKEN = """\
+import sys
+print("about to fail")
+print("something went wrong", file=sys.stderr)
+sys.exit(3)
+"""
+
+NO_JSON = "print('forgot the JSON')\n"
+
+
+def _bench_dir(tmp_path: Path, **scripts: str) -> Path:
+    folder = tmp_path / "bench"
+    folder.mkdir()
+    for name, text in scripts.items():
+        (folder / f"bench_{name}.py").write_text(textwrap.dedent(text))
+    (folder / "helper.py").write_text("raise SystemExit('not a benchmark')\n")
+    return folder
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}-cpu.json").read_text())
+
+
+def _is_png(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG_SIGNATURE and path.stat().st_size > 5000
+
+
+# figures ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["append", "attention"])
+def test_plot_from_committed_json(tmp_path, name):
+    data = _load(name)
+    fig = plots.PLOTTERS[name](data)
+    ax = fig.axes[0]
+    methods = list(next(iter(data["results"].values()))["methods"])
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    for method in methods:  # every method of the run is drawn and named
+        assert any(label.startswith(method) for label in labels), method
+    path = plots.save(fig, tmp_path / "sub" / f"{name}.png")
+    assert _is_png(path)
+
+
+def test_plot_append_bars_are_ratios_to_numpy_slice():
+    data = _load("append")
+    ax = plots.plot_append(data).axes[0]
+    assert ax.get_yscale() == "log"
+    heights = sorted(round(p.get_height(), 6) for p in ax.patches)
+    want = sorted(
+        round(m["time_vs_numpy_slice"], 6)
+        for r in data["results"].values()
+        for m in r["methods"].values()
+    )
+    assert heights == want
+
+
+def test_plot_attention_lines_are_gb_per_s():
+    data = _load("attention")
+    ax = plots.plot_attention(data).axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    seqs = sorted(data["results"], key=int)
+    api = lines["nbkv API"]
+    assert list(api.get_xdata()) == [int(s) for s in seqs]
+    assert list(api.get_ydata()) == [
+        data["results"][s]["methods"]["nbkv API"]["gb_per_s"] for s in seqs
+    ]
+    ceiling = next(line for label, line in lines.items() if label.startswith("read ceiling"))
+    assert ceiling.get_linestyle() == "--"
+
+
+def test_plots_draw_into_a_given_axes(tmp_path):
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    a, b = fig.subplots(1, 2)
+    assert plots.plot_append(_load("append"), ax=a) is fig
+    assert plots.plot_attention(_load("attention"), ax=b) is fig
+    assert _is_png(plots.save(fig, tmp_path / "both.png"))
+
+
+def test_plots_only_redraws_from_json(tmp_path):
+    for name in ("append", "attention"):
+        shutil.copy(RESULTS / f"{name}-cpu.json", tmp_path / f"{name}-cpu.json")
+    out = io.StringIO()
+    assert run.main(["--plots-only", "--out", str(tmp_path)], stream=out) == 0
+    assert _is_png(tmp_path / "append-cpu.png") and _is_png(tmp_path / "attention-cpu.png")
+    assert not (tmp_path / "index.json").exists()  # nothing ran
+    (tmp_path / "append-cpu.png").unlink()
+    assert run.main(["--plots-only", "--only", "attention", "--out", str(tmp_path)], out) == 0
+    assert not (tmp_path / "append-cpu.png").exists()
+
+
+def test_plots_only_fails_without_json(tmp_path):
+    assert run.main(["--plots-only", "--out", str(tmp_path)], stream=io.StringIO()) == 1
+
+
+# the runner ------------------------------------------------------------------------------
+
+
+def test_sanitize_device_names():
+    assert run.sanitize("NVIDIA H200") == "nvidia-h200"
+    assert run.sanitize("  NVIDIA GeForce RTX 4090 (24GB) ") == "nvidia-geforce-rtx-4090-24gb"
+    assert run.sanitize(b"Tesla T4".decode()) == "tesla-t4"
+    assert run.sanitize("***") == "unknown"
+
+
+def test_machine_tag_is_cpu_under_the_simulator(monkeypatch):
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
+    assert run.machine_tag() == "cpu"
+
+
+def test_parse_args_and_output_folder(tmp_path):
+    args = run.parse_args([])
+    assert not args.quick and args.only is None and not args.plots_only
+    assert run.out_dir(args) == run.RESULTS
+    assert args.bench_dir == run.BENCH_DIR
+    quick = run.out_dir(run.parse_args(["--quick"]))  # never the committed results
+    assert quick != run.RESULTS and quick.is_dir() and not any(quick.iterdir())
+    quick.rmdir()
+    args = run.parse_args(["--quick", "--out", str(tmp_path), "--only", "a", "--only", "b"])
+    assert run.out_dir(args) == tmp_path and args.only == ["a", "b"]
+    assert run.out_dir(run.parse_args(["--plots-only"])) == run.RESULTS
+
+
+def test_discover_and_select(tmp_path):
+    folder = _bench_dir(tmp_path, zeta=FAKE, alpha=FAKE)
+    found = run.discover(folder)
+    assert list(found) == ["alpha", "zeta"]  # sorted; helper.py is not a benchmark
+    assert list(run.select(found, None)) == ["alpha", "zeta"]
+    for spelling in ("zeta", "bench_zeta", "bench_zeta.py"):
+        assert list(run.select(found, [spelling])) == ["zeta"]
+    with pytest.raises(SystemExit, match="no benchmark named 'gamma'"):
+        run.select(found, ["gamma"])
+
+
+def test_suite_runs_scripts_and_writes_index(tmp_path):
+    folder = _bench_dir(tmp_path, fake=FAKE, other=FAKE)
+    out = tmp_path / "results"
+    argv = ["--bench-dir", str(folder), "--out", str(out), "--tag", "Test Box", "--quick"]
+    log = io.StringIO()
+    assert run.main(argv, stream=log) == 0
+    for name in ("fake", "other"):
+        data = json.loads((out / f"{name}-test-box.json").read_text())
+        assert data["quick"] is True and "--quick" in data["machine"]["command"]
+        txt = (out / f"{name}-test-box.txt").read_text()
+        assert txt.startswith("fake benchmark, quick")
+    index = json.loads((out / "index.json").read_text())
+    assert index["command"][1:] == ["-m", "benchmarks", *argv]
+    assert index["quick"] is True and index["tag"] == "test-box"
+    assert index["exit_code"] == 0 and index["failed"] == []
+    assert index["ran"] == ["fake-test-box", "other-test-box"]
+    assert "T" in index["started"] and index["finished"] >= index["started"]
+    entry = index["benchmarks"]["fake-test-box"]
+    assert entry["exit_code"] == 0 and entry["ok"] and entry["duration_s"] > 0
+    assert entry["json"] == "fake-test-box.json" and entry["stdout"] == "fake-test-box.txt"
+    assert entry["command"][0] == sys.executable and "--quick" in entry["command"]
+    # plain progress lines (not a TTY) and the scripts' targets
+    text = log.getvalue()
+    assert "[1/2] fake: started" in text and "[2/2] other: ok in" in text
+    assert "PASS  fake target" in text and "\r" not in text
+
+    # --only reruns one; the other's entry stays in the index
+    assert run.main([*argv, "--only", "other"], stream=io.StringIO()) == 0
+    index = json.loads((out / "index.json").read_text())
+    assert index["ran"] == ["other-test-box"]
+    assert set(index["benchmarks"]) == {"fake-test-box", "other-test-box"}
+
+
+def test_suite_reports_failures(tmp_path):
+    folder = _bench_dir(tmp_path, good=FAKE, broken=BROKEN, nojson=NO_JSON)
+    out = tmp_path / "results"
+    log = io.StringIO()
+    code = run.main(["--bench-dir", str(folder), "--out", str(out), "--tag", "t"], stream=log)
+    assert code != 0
+    index = json.loads((out / "index.json").read_text())
+    assert index["exit_code"] == code and sorted(index["failed"]) == ["broken", "nojson"]
+    broken, nojson = index["benchmarks"]["broken-t"], index["benchmarks"]["nojson-t"]
+    assert broken["exit_code"] == 3 and not broken["ok"]
+    assert "something went wrong" in broken["stderr_tail"]
+    assert (out / "broken-t.txt").read_text() == "about to fail\n"
+    assert nojson["exit_code"] == 0 and not nojson["ok"] and nojson["problem"] == "wrote no JSON"
+    assert index["benchmarks"]["good-t"]["ok"]
+    text = log.getvalue()
+    assert "broken: FAILED (exit 3)" in text and "something went wrong" in text
+    assert "nojson: FAILED (wrote no JSON)" in text
+
+
+def test_progress_bar_on_a_tty():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    bar = run.Progress(2, stream, width=10)
+    bar.start(0, "append")
+    bar.update(0, "append", 5.0, 10.0)
+    bar.done(0, "append", 10.0, "ok")
+    bar.update(1, "attention", 1.0, None)
+    text = stream.getvalue()
+    assert "\r[########--] 1/2 append:" not in text  # half of the first of two: a quarter
+    assert "\r[##--------] 1/2 append:    5.0 s of ~10 s" in text
+    assert "[1/2] append: ok in 10.0 s\n" in text
+    assert "\r[#####-----] 2/2 attention:" in text
+
+
+def test_python_dash_m_benchmarks_help():
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for option in ("--quick", "--only", "--out", "--plots-only", "--bench-dir"):
+        assert option in done.stdout
