@@ -1,0 +1,292 @@
+"""Measurement helpers for the tutorials: medians after warm-up, bandwidth probes, JIT cost.
+
+Everything here runs on the CPU and returns plain numbers, so that a notebook can quote
+ratios from one run. Times are wall-clock (``time.perf_counter``); a bandwidth is bytes
+counted explicitly, divided by a median time.
+
+Example
+-------
+>>> import numpy as np
+>>> from nbkv.tutorial.timing import time_call
+>>> x = np.ones(1000)
+>>> t = time_call(x.sum, repeats=5, warmup=1)
+>>> t.repeats, t.median_s > 0
+(5, True)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+__all__ = [
+    "Timing",
+    "time_call",
+    "time_calls",
+    "gb_per_s",
+    "read_sum",
+    "read_bandwidth",
+    "copy_bandwidth",
+    "numpy_grouped_attention",
+    "torch_grouped_attention",
+    "jit_first_call",
+]
+
+GB = 1e9  # bandwidths are in GB/s (10^9 bytes per second), as memory vendors quote them
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall-clock seconds of repeated calls of one function.
+
+    ``first_s`` is the first warm-up call (it includes any JIT compile or first-touch page
+    faults); ``median_s``, ``p10_s`` and ``p90_s`` are over the timed calls only.
+    """
+
+    median_s: float
+    p10_s: float
+    p90_s: float
+    first_s: float
+    repeats: int
+
+    @property
+    def median_us(self) -> float:
+        return self.median_s * 1e6
+
+
+def time_call(
+    fn: Callable[[], object],
+    *,
+    repeats: int = 7,
+    warmup: int = 2,
+    before: Callable[[], object] | None = None,
+) -> Timing:
+    """Call ``fn()`` ``warmup`` times untimed, then ``repeats`` times timed; medians.
+
+    Parameters
+    ----------
+    fn : callable with no arguments
+        The operation timed; its result is discarded.
+    repeats : int
+        Timed calls (at least 1).
+    warmup : int
+        Untimed calls first (at least 1): JIT compiles, buffers are touched, thread pools
+        wake. The first of them is reported as ``first_s``.
+    before : callable, optional
+        Called, untimed, before every call of ``fn`` (reset a cursor, rotate buffers).
+
+    Returns
+    -------
+    Timing
+    """
+    if repeats < 1 or warmup < 1:
+        raise ValueError(f"repeats and warmup must be >= 1, got {repeats} and {warmup}")
+    first = math.nan
+    for i in range(warmup):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        if i == 0:
+            first = time.perf_counter() - t0
+    times = np.empty(repeats)
+    for i in range(repeats):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times[i] = time.perf_counter() - t0
+    return Timing(
+        median_s=float(np.median(times)),
+        p10_s=float(np.percentile(times, 10)),
+        p90_s=float(np.percentile(times, 90)),
+        first_s=first,
+        repeats=repeats,
+    )
+
+
+def time_calls(
+    fns: dict[str, Callable[[], object]],
+    *,
+    repeats: int = 7,
+    warmup: int = 2,
+    before: dict[str, Callable[[], object] | None] | None = None,
+) -> dict[str, Timing]:
+    """:func:`time_call` for several methods, their calls interleaved round by round.
+
+    Each round calls every method once, in a rotated order, so that a burst of load from
+    other jobs on a shared machine falls on all methods alike instead of on whichever was
+    being timed at the time. ``before`` maps a method's name to its untimed setup call.
+
+    Returns
+    -------
+    dict
+        name -> :class:`Timing`, in the order of ``fns``.
+    """
+    if repeats < 1 or warmup < 1:
+        raise ValueError(f"repeats and warmup must be >= 1, got {repeats} and {warmup}")
+    names = list(fns)
+    before = before or {}
+    first = {}
+    times = {name: np.empty(repeats) for name in names}
+    for r in range(warmup + repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            setup = before.get(name)
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fns[name]()
+            dt = time.perf_counter() - t0
+            if r == 0:
+                first[name] = dt
+            elif r >= warmup:
+                times[name][r - warmup] = dt
+    return {
+        name: Timing(
+            median_s=float(np.median(t)),
+            p10_s=float(np.percentile(t, 10)),
+            p90_s=float(np.percentile(t, 90)),
+            first_s=first[name],
+            repeats=repeats,
+        )
+        for name, t in times.items()
+    }
+
+
+def gb_per_s(nbytes: float, seconds: float) -> float:
+    """Bandwidth in GB/s (10^9 bytes per second) of ``nbytes`` moved in ``seconds``."""
+    return nbytes / seconds / GB
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def read_sum(x):
+    """Sum of a 1-D float32 array, in parallel chunks: a read with almost no arithmetic.
+
+    ``fastmath`` lets the additions be reordered into vector lanes, so the loop is bound
+    by how fast memory delivers ``x``, not by the adds.
+    """
+    n = x.size
+    chunks = 64  # more chunks than threads, so that threads finish together
+    step = (n + chunks - 1) // chunks
+    part = np.zeros(chunks, np.float32)
+    for c in prange(chunks):
+        # a slice with a plain 0..size loop: Numba vectorises this form, not a loop over
+        # range(start, stop) (that one read 10x slower in a probe)
+        y = x[c * step : min(n, (c + 1) * step)]
+        acc = np.float32(0.0)
+        for i in range(y.size):
+            acc += y[i]
+        part[c] = acc
+    return part.sum()
+
+
+def read_bandwidth(nbytes: int = 256 << 20, *, repeats: int = 5) -> float:
+    """Measured read bandwidth in GB/s: :func:`read_sum` over ``nbytes`` of float32.
+
+    Choose ``nbytes`` several times the last-level cache (the default, 256 MiB) to measure
+    main memory; a small array measures the caches instead.
+    """
+    x = np.ones(max(1, nbytes // 4), np.float32)
+    t = time_call(lambda: read_sum(x), repeats=repeats, warmup=2)
+    return gb_per_s(x.nbytes, t.median_s)
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, *, repeats: int = 5) -> float:
+    """Measured copy bandwidth in GB/s: ``np.copyto`` of ``nbytes`` into another array.
+
+    Bytes counted: ``2 * nbytes`` (each byte read once and written once), the convention
+    of the STREAM "copy" figure; the CPU may move more (a written line is often read first).
+    """
+    src = np.ones(max(1, nbytes // 4), np.float32)
+    dst = np.zeros_like(src)  # touched, so no timed call pays for page faults
+    t = time_call(lambda: np.copyto(dst, src), repeats=repeats, warmup=2)
+    return gb_per_s(2 * src.nbytes, t.median_s)
+
+
+def numpy_grouped_attention(q, K, V, scale: float | None = None) -> np.ndarray:
+    """Decode attention in plain NumPy, as a user would write it: the NumPy peer.
+
+    q: [batch, num_heads, n_q, head_dim]; K, V: [batch, num_kv_heads, seq_len, head_dim].
+    The query heads of a group are reshaped into rows of one matmul per KV head (no
+    repeated K/V); softmax is stabilised by subtracting the row maximum. No mask: every
+    query sees every position (right for a decode step, ``n_q == 1``).
+    """
+    b, hq, n_q, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qg = q.reshape(b, K.shape[1], hq // K.shape[1] * n_q, d)  # [b, kv_heads, group, d]
+    s = (qg @ K.swapaxes(-1, -2)) * np.asarray(scale, q.dtype)  # [b, kv_heads, group, S]
+    w = np.exp(s - s.max(axis=-1, keepdims=True))
+    w /= w.sum(axis=-1, keepdims=True)
+    return (w @ V).reshape(b, hq, n_q, d)
+
+
+def torch_grouped_attention(q, K, V):
+    """``scaled_dot_product_attention`` with the query heads grouped: the torch peer.
+
+    q: torch tensor [batch, num_heads, 1, head_dim]; K, V: [batch, num_kv_heads, seq_len,
+    head_dim]. The group's query heads become query rows of their KV head, so K/V are not
+    repeated (faster on the CPU than ``enable_gqa=True``). Decode only (no mask).
+    """
+    import torch.nn.functional as F
+
+    b, hq, n_q, d = q.shape
+    qg = q.reshape(b, K.shape[1], hq // K.shape[1] * n_q, d)
+    return F.scaled_dot_product_attention(qg, K, V).reshape(b, hq, n_q, d)
+
+
+_PROBE = """
+import json, time
+t0 = time.perf_counter()
+import numpy as np
+import nbkv
+t1 = time.perf_counter()
+q = np.ones((1, {heads}, 1, {head_dim}), np.float32)
+K = np.ones((1, {kv_heads}, 16, {head_dim}), np.float32)
+t2 = time.perf_counter()
+nbkv.attention(q, (K, K.copy()))
+t3 = time.perf_counter()
+nbkv.attention(q, (K, K.copy()))
+t4 = time.perf_counter()
+print(json.dumps({{"import_s": t1 - t0, "first_call_s": t3 - t2, "second_call_s": t4 - t3}}))
+"""
+
+
+def jit_first_call(
+    cache_dir: str | None = None, *, heads: int = 32, kv_heads: int = 8, head_dim: int = 128
+) -> dict:
+    """Time ``import nbkv`` and the first two ``nbkv.attention`` calls in a fresh process.
+
+    The child process runs with ``NUMBA_CACHE_DIR=cache_dir``: an empty directory makes
+    the first call compile every kernel it needs (and write them there); a directory a
+    previous call filled makes it load them from disk (what ``cache=True`` buys). With
+    ``cache_dir=None`` a new empty directory is used and removed afterwards.
+
+    Returns
+    -------
+    dict
+        ``import_s``, ``first_call_s``, ``second_call_s`` (seconds, measured in the child).
+    """
+    code = _PROBE.format(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+
+    def run(where: str) -> dict:
+        env = dict(os.environ, NUMBA_CACHE_DIR=where)
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    if cache_dir is not None:
+        return run(cache_dir)
+    with tempfile.TemporaryDirectory(prefix="nbkv-numba-cache-") as tmp:
+        return run(tmp)
