@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _machine import machine  # noqa: E402  (this folder is on sys.path)
 from numba import njit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,31 +331,6 @@ def compile_times() -> dict:
     }
 
 
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import numba
-
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "numba": numba.__version__,
-        "nbkv": nbkv.__version__,
-        "torch": None if torch is None else torch.__version__,
-        "torch_threads": None if torch is None else torch.get_num_threads(),
-        "command": " ".join([sys.executable, *sys.argv]),
-    }
-
-
 def report(results: dict) -> list[tuple[str, bool, str]]:
     head = (
         f"{'case':<8} {'method':<18} {'us/append':>10} {'p10':>9} {'p90':>9} {'GB/s':>7} "
@@ -392,7 +367,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few repeats, for a smoke run")
     parser.add_argument("--json", metavar="PATH", help="write results and machine info here")
     args = parser.parse_args()
-    info = machine()
+    info = machine(torch)
     print(f"{info['cpu']} ({info['cpu_count']} cpus), {info['platform']}")
     print(
         f"python {info['python']}, numpy {info['numpy']}, numba {info['numba']}, "

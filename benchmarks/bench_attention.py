@@ -61,11 +61,9 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -74,6 +72,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _machine import machine  # noqa: E402  (this folder is on sys.path)
 from numba import njit, prange
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -409,69 +408,6 @@ def compile_times() -> dict:
     }
 
 
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        l3 = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
-    except OSError:
-        l3 = None
-    import numba
-
-    try:
-        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
-        blas = f"{blas.get('name')} {blas.get('version')}"
-    except Exception:  # only for the record
-        blas = None
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "l3_cache": l3,
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "numpy_blas": blas,
-        "numba": numba.__version__,
-        "numba_threads": numba.get_num_threads(),
-        "nbkv": nbkv.__version__,
-        "torch": None if torch is None else torch.__version__,
-        "torch_threads": None if torch is None else torch.get_num_threads(),
-        "thread_env": {
-            k: os.environ[k]
-            for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
-            if k in os.environ
-        },
-        "command": " ".join([sys.executable, *sys.argv]),
-        "git": git_state(),
-    }
-
-
-def git_state() -> dict | None:
-    """The commit measured, and files of nbkv/ changed since it (read-only git calls)."""
-
-    def git(*args: str) -> str:
-        cmd = ["git", "--no-optional-locks", *args]  # --no-optional-locks: writes nothing
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
-        return done.stdout
-
-    try:
-        dirty = git("status", "--porcelain", "--", "nbkv").splitlines()
-        kernel = hashlib.sha256((ROOT / "nbkv/kernels/cpu_attention.py").read_bytes())
-        return {
-            "commit": git("rev-parse", "HEAD").strip(),
-            "nbkv_changed": dirty,
-            "cpu_attention_py_sha256": kernel.hexdigest(),
-        }
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def report(results: dict) -> None:
     head = (
         f"{'seq_len':>7} {'method':<15} {'us':>9} {'p10':>9} {'p90':>9} {'GB/s':>6} "
@@ -538,7 +474,7 @@ def main() -> None:
     )
     parser.add_argument("--json", metavar="PATH", help="write results and machine info here")
     args = parser.parse_args()
-    info = machine()
+    info = machine(torch)
     print(f"{info['cpu']} ({info['cpu_count']} cpus, L3 {info['l3_cache']}), {info['platform']}")
     print(
         f"python {info['python']}, numpy {info['numpy']} ({info['numpy_blas']}), numba "

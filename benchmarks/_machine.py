@@ -1,0 +1,83 @@
+"""What every benchmark records about the run: machine, versions, threads, command, commit.
+
+Imported by the ``bench_*.py`` scripts (run as scripts, so this folder is on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_state() -> dict | None:
+    """The commit measured, and files of nbkv/ changed since it (read-only git calls)."""
+
+    def git(*args: str) -> str:
+        cmd = ["git", "--no-optional-locks", *args]  # --no-optional-locks: writes nothing
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
+        return done.stdout
+
+    try:
+        dirty = git("status", "--porcelain", "--", "nbkv").splitlines()
+        kernel = hashlib.sha256((ROOT / "nbkv/kernels/cpu_attention.py").read_bytes())
+        return {
+            "commit": git("rev-parse", "HEAD").strip(),
+            "nbkv_changed": dirty,
+            "cpu_attention_py_sha256": kernel.hexdigest(),
+        }
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def machine(torch=None) -> dict:
+    """Machine, library versions and thread settings, the command line and the commit."""
+    import numba
+
+    import nbkv
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        l3 = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        l3 = None
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        blas = f"{blas.get('name')} {blas.get('version')}"
+    except Exception:  # only for the record
+        blas = None
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "l3_cache": l3,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "numpy_blas": blas,
+        "numba": numba.__version__,
+        "numba_threads": numba.get_num_threads(),
+        "nbkv": nbkv.__version__,
+        "torch": None if torch is None else torch.__version__,
+        "torch_threads": None if torch is None else torch.get_num_threads(),
+        "thread_env": {
+            k: os.environ[k]
+            for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
+            if k in os.environ
+        },
+        "command": " ".join([sys.executable, *sys.argv]),
+        "git": git_state(),
+    }
