@@ -16,6 +16,7 @@ from .dtypes import supported_dtypes
 from .errors import (
     ArgumentTypeError,
     BackendUnavailableError,
+    CacheFormatError,
     CacheOverflowError,
     DeviceMismatchError,
     DTypeMismatchError,
@@ -25,6 +26,8 @@ from .errors import (
     ShapeMismatchError,
 )
 from .layout import LAYOUTS
+from .persist import load, save
+from .rotating import RotatingKVCache
 
 __version__ = "0.1.0"
 
@@ -33,10 +36,13 @@ __all__ = [
     "LAYOUTS",
     "LayerKVCache",
     "KVCache",
+    "RotatingKVCache",
     "attention",
     "append_and_attend",
     "reference",
     "supported_dtypes",
+    "save",
+    "load",
     "KVCacheError",
     "CacheOverflowError",
     "ShapeMismatchError",
@@ -46,5 +52,6 @@ __all__ = [
     "InvalidArgumentError",
     "ArgumentTypeError",
     "LayerIndexError",
+    "CacheFormatError",
     "__version__",
 ]

@@ -294,21 +294,34 @@ def _plan(
         raise ArgumentTypeError(f"metadata must map str to str, got {metadata!r}")
     # widest dtypes first keeps every tensor aligned to its item size (as the Rust writer)
     order = sorted(arrays, key=lambda name: (-arrays[name][1].dtype.itemsize, name))
+    specs = [(name, arrays[name][0], arrays[name][1].shape) for name in order]
+    return header_bytes(specs, metadata), [arrays[n][1] for n in order]
+
+
+def header_bytes(
+    specs: list[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str] | None = None
+) -> bytes:
+    """The 8-byte length and the padded JSON header of a file of these tensors.
+
+    ``specs`` lists ``(name, dtype code, shape)`` in the order the tensors' bytes follow
+    the header, for writers that stream the data themselves (nbkv.persist). The
+    ``metadata`` is taken as it is (str -> str, checked by the caller).
+    """
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
     offset = 0
-    for name in order:
-        code, arr = arrays[name]
+    for name, code, shape in specs:
+        nbytes = math.prod(shape) * DTYPES[code].itemsize
         header[name] = {
             "dtype": code,
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + arr.nbytes],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
         }
-        offset += arr.nbytes
+        offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # the data then start 8-byte aligned
-    return len(raw).to_bytes(_HEADER_LEN_BYTES, "little") + raw, [arrays[n][1] for n in order]
+    return len(raw).to_bytes(_HEADER_LEN_BYTES, "little") + raw
 
 
 def save(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:

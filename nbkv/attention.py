@@ -23,6 +23,7 @@ from .errors import (
     InvalidArgumentError,
     ShapeMismatchError,
 )
+from .rotating import RotatingKVCache
 
 __all__ = ["attention", "append_and_attend"]
 
@@ -204,6 +205,10 @@ def attention(
         backend, layout = kv._backend, kv.layout
         K, V = kv._buffers()
         seq_len, dtype = kv.seq_len, kv.dtype
+        if isinstance(kv, RotatingKVCache) and K is not None:
+            # a decode step reads the ring in place; anything else, the ordered positions
+            n_q = q.shape[2] if getattr(q, "ndim", 0) == 4 else 1
+            K, V, seq_len = kv._attention_view(n_q, window)
         dims = _layout.Dims(kv.batch, kv.num_kv_heads, seq_len, kv.head_dim)
         if K is None:
             raise InvalidArgumentError("the cache holds no position: there is nothing to attend to")
@@ -256,6 +261,14 @@ def append_and_attend(
     """
     if not isinstance(cache, LayerKVCache):
         raise ArgumentTypeError(f"cache must be a LayerKVCache, got {type(cache).__name__}")
+    if isinstance(cache, RotatingKVCache):
+        # everything checked first, then the append and the attention (two launches on
+        # CUDA: the ring's slots are not the positions the fused kernel writes)
+        k, v, d, dtype = cache._check_append(k, v)
+        held = min(cache.seq_len + d.seq, cache.window)
+        _plan(q, cache._backend, cache.layout, d, held, dtype, scale, causal, window, out)
+        cache.append(k, v)
+        return attention(q, cache, scale=scale, causal=causal, window=window, out=out)
     k, v, d, dtype = cache._check_append(k, v)
     pos = cache.seq_len
     plan = _plan(q, cache._backend, cache.layout, d, pos + d.seq, dtype, scale, causal, window, out)

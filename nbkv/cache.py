@@ -8,7 +8,7 @@ written, so a call that raises leaves the cache exactly as it was.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ from ._validate import batch_indices, nonnegative_int, optional_positive_int, po
 from .backends import get_backend
 from .dtypes import check_supported, resolve_dtype
 from .errors import (
+    ArgumentTypeError,
     CacheOverflowError,
     DTypeMismatchError,
     InvalidArgumentError,
@@ -161,6 +162,12 @@ class LayerKVCache:
     def max_seq_len(self) -> int:
         """Capacity in positions."""
         return self._max_seq_len
+
+    @property
+    def offset(self) -> int:
+        """Tokens seen: the position of the next token. Equal to ``seq_len`` here; a
+        :class:`nbkv.RotatingKVCache` holds fewer rows than it has seen."""
+        return self._seq_len
 
     @property
     def is_empty(self) -> bool:
@@ -459,6 +466,14 @@ class LayerKVCache:
             )
         return batch_indices(indices, self._batch, "indices", length)
 
+    def _slots_in_use(self) -> int:
+        """Leading buffer positions that hold data (all of them in a rotating cache)."""
+        return self._seq_len
+
+    def _copy_counters(self, other: LayerKVCache) -> None:
+        """Take ``other``'s cursor (a rotating cache has more than one)."""
+        self._seq_len = other._seq_len
+
     def _row(self, buf, row: int, n: int):
         """Positions ``[0, n)`` of batch row ``row`` of a kernel-form buffer, kept 4-D."""
         return buf[row : row + 1][_layout.seq_index(self._layout, 0, n)]
@@ -473,7 +488,7 @@ class LayerKVCache:
         the only allocation.
         """
         rows = self._indices(indices, self._batch)
-        held = self._seq_len
+        held = self._slots_in_use()
         if self._k is None or held == 0:
             return
         ops = gather_schedule(rows)
@@ -506,7 +521,7 @@ class LayerKVCache:
         new._release()
         if self._k is not None:
             new._allocate(len(rows), self._num_kv_heads, self._head_dim, self._dtype)
-            held = self._seq_len
+            held = self._slots_in_use()
             for i, src in enumerate(rows):
                 if held:
                     self._backend.write_kv(
@@ -517,8 +532,18 @@ class LayerKVCache:
                         new._kk[i : i + 1],
                         new._vk[i : i + 1],
                     )
-            new._seq_len = held
+            new._copy_counters(self)
         return new
+
+    def load_state(self, path: Any) -> None:
+        """Replace the positions held with those saved at ``path`` (see nbkv.save).
+
+        Checked in full before anything is written, so on any error the cache is
+        unchanged; see :func:`nbkv.persist.load_state` for what must fit.
+        """
+        from .persist import load_state
+
+        load_state(self, path)
 
     # -- copies ----------------------------------------------------------------------
 
@@ -529,8 +554,9 @@ class LayerKVCache:
         new._k = new._v = new._kk = new._vk = new._fast = None  # nothing of self's storage
         if self._k is not None:
             new._allocate(self._batch, self._num_kv_heads, self._head_dim, self._dtype)
-            if self._seq_len:
-                index = _layout.seq_index(self._layout, 0, self._seq_len)
+            held = self._slots_in_use()
+            if held:
+                index = _layout.seq_index(self._layout, 0, held)
                 self._backend.write_kv(
                     self._layout, self._kk[index], self._vk[index], 0, new._kk, new._vk
                 )
@@ -625,6 +651,23 @@ class KVCache:
     def __init__(self, num_layers: int, max_seq_len: int = DEFAULT_MAX_SEQ_LEN, **kwargs: Any):
         num_layers = positive_int(num_layers, "num_layers")
         self._layers = [LayerKVCache(max_seq_len, **kwargs) for _ in range(num_layers)]
+
+    @classmethod
+    def from_layers(cls, layers: Iterable[LayerKVCache]) -> KVCache:
+        """A model's cache of layer caches built by the caller (e.g. RotatingKVCache)."""
+        layers = list(layers)
+        if not layers or not all(isinstance(layer, LayerKVCache) for layer in layers):
+            raise ArgumentTypeError(
+                "layers must be one or more LayerKVCache (or RotatingKVCache) objects"
+            )
+        new = object.__new__(cls)
+        new._layers = layers
+        return new
+
+    @property
+    def offset(self) -> int:
+        """Tokens every layer has seen (the minimum over layers)."""
+        return min(layer.offset for layer in self._layers)
 
     @property
     def num_layers(self) -> int:
@@ -727,6 +770,15 @@ class KVCache:
         new = object.__new__(type(self))
         new._layers = [layer.select(indices) for layer in self._layers]
         return new
+
+    def load_state(self, path: Any) -> None:
+        """Replace every layer's positions with those saved at ``path`` (see nbkv.save).
+
+        All layers are checked before any is written; see :func:`nbkv.persist.load_state`.
+        """
+        from .persist import load_state
+
+        load_state(self, path)
 
     def copy(self) -> KVCache:
         """An independent copy of every layer."""

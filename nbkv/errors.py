@@ -18,6 +18,7 @@ __all__ = [
     "InvalidArgumentError",
     "ArgumentTypeError",
     "LayerIndexError",
+    "CacheFormatError",
 ]
 
 
@@ -55,3 +56,8 @@ class ArgumentTypeError(KVCacheError, TypeError):
 
 class LayerIndexError(KVCacheError, IndexError):
     """A layer index is outside ``[-num_layers, num_layers)``."""
+
+
+class CacheFormatError(KVCacheError, ValueError):
+    """A saved cache file is truncated, corrupted, of another format or version, or
+    does not describe the cache it is loaded into (see :mod:`nbkv.persist`)."""

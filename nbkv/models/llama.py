@@ -44,6 +44,7 @@ from ..errors import (
     InvalidArgumentError,
     ShapeMismatchError,
 )
+from ..rotating import RotatingKVCache
 
 __all__ = ["Llama", "LlamaConfig"]
 
@@ -418,6 +419,7 @@ def _dense_attention(
     k: NDArray[np.float32],
     v: NDArray[np.float32],
     window: int | None,
+    sinks: int = 0,
 ) -> NDArray[np.float32]:
     """Causal attention over a whole sequence, in batched float32 NumPy, no cache.
 
@@ -434,7 +436,7 @@ def _dense_attention(
     j = np.arange(n)[None, :]
     visible = j <= i
     if window is not None:
-        visible &= j > i - window
+        visible &= (j > i - window) | (j < sinks)  # sinks stay visible beside the window
     scores = np.where(visible, scores, np.float32(-np.inf))
     scores -= scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores)
@@ -689,16 +691,38 @@ class Llama:
     # -- caches ----------------------------------------------------------------------
 
     def new_cache(
-        self, batch: int = 1, max_seq_len: int | None = None, *, layout: str = "bhsd"
+        self,
+        batch: int = 1,
+        max_seq_len: int | None = None,
+        *,
+        layout: str = "bhsd",
+        window: int | None = None,
+        sinks: int = 0,
     ) -> KVCache:
         """An empty float32 :class:`nbkv.KVCache` for this model, allocated at once.
 
         One layer per decoder layer, ``num_key_value_heads`` heads of ``head_dim``, on the
         model's device. ``max_seq_len`` defaults to ``max_position_embeddings`` capped at
         ``nbkv.DEFAULT_MAX_SEQ_LEN`` (2048), so that a long-context config does not
-        allocate its whole context by surprise.
+        allocate its whole context by surprise. With ``window``, every layer is an
+        :class:`nbkv.RotatingKVCache` of that window and ``sinks`` (streaming decoding:
+        memory bounded, positions from the cache's ``offset``).
         """
         c = self._config
+        if window is not None:
+            return KVCache.from_layers(
+                RotatingKVCache(
+                    window,
+                    sinks=sinks,
+                    batch=batch,
+                    num_kv_heads=c.num_key_value_heads,
+                    head_dim=c.head_dim,
+                    dtype=_F32,
+                    device=self._device,
+                    layout=layout,
+                )
+                for _ in range(c.num_hidden_layers)
+            )
         if max_seq_len is None:
             max_seq_len = min(c.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         return KVCache(
@@ -742,21 +766,29 @@ class Llama:
         self._check_cache(cache, ids.shape[0], ids.shape[1], "token_ids")
         return self._forward_cached(ids, cache)
 
-    def forward_nocache(self, token_ids: ArrayLike) -> NDArray[np.float32]:
+    def forward_nocache(
+        self, token_ids: ArrayLike, *, window: int | None = None, sinks: int = 0
+    ) -> NDArray[np.float32]:
         """Logits of a whole sequence from position 0, recomputed without a cache.
 
         Plain float32 NumPy attention over freshly computed K/V for all positions: the
-        baseline a cache must match (and beat).
+        baseline a cache must match (and beat). ``window`` (default: the config's
+        ``sliding_window``) and ``sinks`` give each position what a
+        ``new_cache(window=..., sinks=...)`` decode sees: the first ``sinks`` positions
+        and the last ``window - sinks``, its own included.
 
         Returns
         -------
         ndarray, float32, [batch, n, vocab_size]
         """
         ids = self._token_ids(token_ids, "token_ids")
-        window = self._config.sliding_window
+        if window is None:
+            window = self._config.sliding_window
+        elif sinks:
+            window -= sinks  # the ring: the last window - sinks positions, beside the sinks
 
         def attend(i: int, q, k, v):
-            return _dense_attention(q, k, v, window)
+            return _dense_attention(q, k, v, window, sinks)
 
         return self._run(ids, 0, attend, "bhsd")
 
@@ -770,7 +802,7 @@ class Llama:
             # a CUDA cache answers with a device array: one explicit device->host copy
             return o if isinstance(o, np.ndarray) else o.copy_to_host()
 
-        return self._run(ids, cache.seq_len, attend, cache.layout)
+        return self._run(ids, cache.offset, attend, cache.layout)
 
     def _run(self, ids: np.ndarray, pos: int, attend: Callable, layout: str) -> np.ndarray:
         """The decoder over ids [batch, n] at positions [pos, pos + n).
@@ -983,7 +1015,7 @@ class Llama:
         if first.dtype is not None and first.dtype != _F32:
             raise DTypeMismatchError(f"cache must hold float32 (the model's), got {first.dtype}")
         held, capacity = cache.seq_len, cache.max_seq_len
-        if held + n > capacity:
+        if held + n > capacity and not isinstance(first, RotatingKVCache):
             raise CacheOverflowError(
                 f"{what} need {n} positions but the cache holds {held} of {capacity} and "
                 f"{capacity - held} are free; build it with max_seq_len >= {held + n}"
