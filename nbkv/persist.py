@@ -35,10 +35,11 @@ one) opens it. It holds only the positions each layer holds, never the capacity:
   nbkv_version    the writer's version (informational)
   ==============  ==========================================================================
 
-A later ``RotatingKVCache`` (a sliding window with attention sinks) fits this scheme
-without a new version: ``cache_type="RotatingKVCache"`` and two more fields, ``window``
-and ``sinks``, with ``offset`` (tokens seen) running ahead of ``seq_len`` (rows stored,
-at most the window), and the tensors holding the rows in position order (unrotated).
+A ``RotatingKVCache`` (a sliding window with attention sinks) is ``cache_type=
+"RotatingKVCache"`` (one layer) with three more fields: ``window``, ``sinks`` and
+``sink_count`` (JSON list: the sink positions held); ``offset`` (tokens seen) runs ahead
+of ``seq_len`` (rows stored, at most the window), and the tensors hold the rows in
+position order (unrotated): the sinks held, then the ring's positions oldest first.
 Readers that do not know a cache type refuse it by name.
 
 Writes are atomic: the file is written under a temporary name in the target's folder,
@@ -93,7 +94,7 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "CACHE_TYPES", "save", "load", "load_stat
 
 FORMAT = "nbkv-cache"
 FORMAT_VERSION = "1"
-CACHE_TYPES = ("LayerKVCache", "KVCache")
+CACHE_TYPES = ("LayerKVCache", "KVCache", "RotatingKVCache")
 
 # the storage dtypes and their safetensors names
 _CODES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16"}
@@ -108,16 +109,20 @@ def _tensor_name(layer: int, which: str) -> str:
 def _layers_of(cache: Any, what: str = "cache") -> tuple[str, list]:
     """``(cache type, [LayerKVCache, ...])`` of a cache, or ArgumentTypeError."""
     from .cache import KVCache, LayerKVCache
+    from .rotating import RotatingKVCache
 
+    if type(cache) is RotatingKVCache:
+        return "RotatingKVCache", [cache]
     if type(cache) is KVCache:
         kind, layers = "KVCache", list(cache)
     else:
         kind, layers = "LayerKVCache", [cache]
     for layer in layers:
-        # exact types: a subclass (a rotating cache) keeps state this format version lacks
+        # exact types: a KVCache of rotating layers is not a format of version 1
         if type(layer) is not LayerKVCache:
             raise ArgumentTypeError(
-                f"{what} must be an nbkv.LayerKVCache or nbkv.KVCache of them, got "
+                f"{what} must be an nbkv.LayerKVCache, a KVCache of them or an "
+                f"nbkv.RotatingKVCache, got "
                 f"{type(layer).__name__}; format version {FORMAT_VERSION} stores no other"
             )
     return kind, layers
@@ -155,9 +160,17 @@ def _held_on_host(layer) -> tuple[np.ndarray, np.ndarray]:
     contiguous device array by the copy kernel, then copied to the host once each
     (the explicit device->host copy of a save).
     """
+    from .rotating import RotatingKVCache
+
+    be = layer._backend
+    if isinstance(layer, RotatingKVCache):
+        # the rows in position order (a gather on the device once the ring has wrapped)
+        kv = layer.get_kv() or layer._ordered()
+        if be.name == "cpu":
+            return kv
+        return tuple(x.copy_to_host().view(layer.dtype) for x in kv)
     k, v = layer._buffers()
     index = _layout.seq_index(layer.layout, 0, layer.seq_len)
-    be = layer._backend
     if be.name == "cpu":
         return k[index], v[index]
     shape = _layout.buffer_shape(
@@ -240,13 +253,17 @@ def save(path: str | os.PathLike, cache: Any) -> None:
         "dtype": dtype_name,
         **{field: "" if value is None else str(value) for field, value in sizes.items()},
         "seq_len": json.dumps([layer.seq_len for layer in layers]),
-        "offset": json.dumps([layer.seq_len for layer in layers]),
+        "offset": json.dumps([layer.offset for layer in layers]),
         "max_seq_len": json.dumps([layer.max_seq_len for layer in layers]),
         "allocated": json.dumps([layer.is_allocated for layer in layers]),
         "on_overflow": layers[0].on_overflow,
         "grow_step": str(layers[0].grow_step),
         "nbkv_version": _nbkv_version(),
     }
+    if kind == "RotatingKVCache":
+        metadata["window"] = str(cache.window)
+        metadata["sinks"] = str(cache.sinks)
+        metadata["sink_count"] = json.dumps([cache._sink_count])
     crcs = {name: _CRC_PLACEHOLDER for name, _, _ in specs}
     metadata["crc32"] = json.dumps(crcs)
     head = _st.header_bytes(specs, metadata)
@@ -326,6 +343,10 @@ class _Spec:
     tensors: dict  # name -> (dtype, shape, begin, end), offsets within the data
     crc: dict  # name -> int
     start: int  # where the data begin in the file
+    offset: tuple[int, ...] = ()
+    window: int | None = None  # a RotatingKVCache's
+    sinks: int | None = None
+    sink_count: tuple[int, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -406,8 +427,8 @@ def _read_spec(path: str | os.PathLike) -> _Spec:
     if cache_type not in CACHE_TYPES:
         raise m.fail(f"cache_type is {cache_type!r}; this nbkv loads only {', '.join(CACHE_TYPES)}")
     n = m.int("num_layers")
-    if cache_type == "LayerKVCache" and n != 1:
-        raise m.fail(f"a LayerKVCache file must have num_layers 1, got {n}")
+    if cache_type != "KVCache" and n != 1:
+        raise m.fail(f"a {cache_type} file must have num_layers 1, got {n}")
     layout = m.choice("layout", _layout.LAYOUTS)
     dtype_name = m.choice("dtype", ("", *_CODES))
     dtype = None
@@ -441,7 +462,7 @@ def _read_spec(path: str | os.PathLike) -> _Spec:
     for i in range(n):
         if seq_len[i] > max_seq_len[i]:
             raise m.fail(f"layer {i} holds seq_len {seq_len[i]} > its max_seq_len {max_seq_len[i]}")
-        if offset[i] != seq_len[i]:
+        if offset[i] != seq_len[i] and cache_type != "RotatingKVCache":
             raise m.fail(
                 f"layer {i} has offset {offset[i]} but seq_len {seq_len[i]}; "
                 f"a {cache_type} stores every token it has seen"
@@ -476,8 +497,28 @@ def _read_spec(path: str | os.PathLike) -> _Spec:
         raise m.fail(
             f"metadata crc32 names {sorted(crc)}, but the file's tensors are {sorted(expected)}"
         )
+    ring = {}
+    if cache_type == "RotatingKVCache":
+        window, sinks = m.int("window"), m.int("sinks", minimum=0)
+        sink_count = m.int_list("sink_count", n, 0)
+        held_ring = seq_len[0] - sink_count[0]
+        if not (
+            sinks < window == max_seq_len[0]
+            and sink_count[0] <= min(sinks, seq_len[0])
+            and 0 <= held_ring <= window - sinks
+            and offset[0] >= seq_len[0]
+            and (held_ring == 0 or offset[0] - held_ring >= sinks)
+        ):
+            raise m.fail(
+                f"window {window}, sinks {sinks}, sink_count {sink_count[0]}, seq_len "
+                f"{seq_len[0]}, offset {offset[0]} and max_seq_len {max_seq_len[0]} do not "
+                "describe a rotating cache"
+            )
+        ring = {"window": window, "sinks": sinks, "sink_count": sink_count}
     return _Spec(
         path=where,
+        offset=offset,
+        **ring,
         cache_type=cache_type,
         layout=layout,
         dtype=dtype,
@@ -537,7 +578,20 @@ def _in_layout(arr: np.ndarray, src: str, dst: str) -> np.ndarray:
 
 def _new_layer(spec: _Spec, i: int, device: str, layout: str):
     from .cache import LayerKVCache
+    from .rotating import RotatingKVCache
 
+    if spec.cache_type == "RotatingKVCache":
+        layer = RotatingKVCache(
+            spec.window,
+            sinks=spec.sinks,
+            **spec.sizes,
+            dtype=spec.dtype,
+            device=device,
+            layout=layout,
+        )
+        if not spec.allocated[i] and layer.is_allocated:
+            layer._release()
+        return layer
     layer = LayerKVCache(
         spec.max_seq_len[i],
         **spec.sizes,
@@ -605,9 +659,14 @@ def load(path: str | os.PathLike, *, device: str = "cpu", layout: str | None = N
         for i, layer in enumerate(layers):
             n = spec.seq_len[i]
             if not n:
+                if spec.cache_type == "RotatingKVCache":
+                    layer._offset = spec.offset[i]  # tokens seen, though none is held
                 continue
             names = _tensor_name(i, "k"), _tensor_name(i, "v")
-            if layer.device == "cpu" and layout == spec.layout:
+            if spec.cache_type == "RotatingKVCache":
+                k, v = (_in_layout(_read_tensor(f, spec, x), spec.layout, layout) for x in names)
+                layer._restore(spec.offset[i], spec.sink_count[i], k, v)
+            elif layer.device == "cpu" and layout == spec.layout:
                 # straight from the file into the buffers: the new cache is not returned
                 # unless every tensor checks out
                 index = _layout.seq_index(layout, 0, n)
@@ -617,7 +676,7 @@ def load(path: str | os.PathLike, *, device: str = "cpu", layout: str | None = N
             else:
                 k, v = (_in_layout(_read_tensor(f, spec, x), spec.layout, layout) for x in names)
                 layer.append(k, v)  # one host->device copy on CUDA
-    if spec.cache_type == "LayerKVCache":
+    if spec.cache_type != "KVCache":
         return layers[0]
     from .cache import KVCache
 
@@ -675,6 +734,11 @@ def load_state(cache: Any, path: str | os.PathLike) -> None:
         raise CacheFormatError(
             f"{where} holds {spec.num_layers} layers, but this cache has {len(layers)}"
         )
+    if kind == "RotatingKVCache" and (spec.window, spec.sinks) != (cache.window, cache.sinks):
+        raise CacheFormatError(
+            f"{where} holds a rotating cache of window {spec.window} and sinks {spec.sinks}, "
+            f"but this one has window {cache.window} and sinks {cache.sinks}"
+        )
     for i, layer in enumerate(layers):
         _check_fits(spec, i, layer)
     held: list[tuple[np.ndarray, np.ndarray] | None] = []
@@ -683,10 +747,17 @@ def load_state(cache: Any, path: str | os.PathLike) -> None:
             names = _tensor_name(i, "k"), _tensor_name(i, "v")
             held.append(tuple(_read_tensor(f, spec, x) for x in names) if spec.seq_len[i] else None)
     # every check passed: from here on only writes
-    for layer, kv in zip(layers, held, strict=True):
+    for i, (layer, kv) in enumerate(zip(layers, held, strict=True)):
         layer.clear()
-        if kv is not None:
-            layer.append(*(_in_layout(x, spec.layout, layer.layout) for x in kv))
+        if kv is None:
+            if kind == "RotatingKVCache":
+                layer._offset = spec.offset[i]  # tokens seen, though none is held
+            continue
+        kv = tuple(_in_layout(x, spec.layout, layer.layout) for x in kv)
+        if kind == "RotatingKVCache":
+            layer._restore(spec.offset[i], spec.sink_count[i], *kv)
+        else:
+            layer.append(*kv)
 
 
 def _check_fits(spec: _Spec, i: int, layer) -> None:

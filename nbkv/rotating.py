@@ -40,7 +40,8 @@ class RotatingKVCache(LayerKVCache):
     held positions in temporal order: views while the ring has not wrapped, a copy once it
     has. ``nbkv.attention`` reads the buffers in place for a decode step (one query, all
     held positions visible); other calls attend over the ordered copy. ``trim(n)`` drops
-    held positions newest first (sinks last) and lowers ``offset`` by as many.
+    held positions newest first (sinks last) and lowers ``offset`` by as many (see
+    :meth:`trim` for drops that reach the sinks).
 
     Examples
     --------
@@ -186,18 +187,44 @@ class RotatingKVCache(LayerKVCache):
                 at += length
         return out_k, out_v
 
+    def _restore(self, offset: int, sink_count: int, k: Any, v: Any) -> None:
+        """Hold rows ``k``, ``v`` (position order: ``sink_count`` sinks, then the ring's
+        positions up to ``offset``) as a cache that has seen ``offset`` tokens. Checked
+        by the caller (nbkv.persist); for loading a saved cache."""
+        k, v, d, dtype = self._check_append(k, v)
+        self._ensure_allocated(d, dtype)
+        be = self._backend
+        kk, vk = be.to_kernel(k), be.to_kernel(v)
+        ring = d.seq - sink_count
+        at = 0
+        for lo, hi in ((0, sink_count), (offset - ring, offset)):
+            for _, slot, length in self._pieces(lo, hi):
+                src = _layout.seq_index(self._layout, at, at + length)
+                be.write_kv(self._layout, kk[src], vk[src], slot, self._kk, self._vk)
+                at += length
+        self._offset, self._sink_count, self._ring_count = offset, sink_count, ring
+        self._seq_len = d.seq
+
     def clear(self) -> None:
         """Forget every position (offset back to 0); keep the buffers."""
         self._seq_len = self._offset = self._sink_count = self._ring_count = 0
 
     def trim(self, n: int) -> int:
-        """Drop the last ``n`` held positions, newest first and sinks last; lower ``offset``
-        by as many. Returns how many were dropped."""
+        """Drop the last ``n`` held positions, newest first and sinks last; return how many.
+
+        Positions dropped from the ring lower ``offset`` by as many, so later appends
+        continue from there (speculative decoding's rollback), also after the ring has
+        wrapped. Once the ring is empty, drops come from the sinks; the cache then holds
+        positions ``[0, sink_count)`` and nothing after them can come back (the ring had
+        forgotten it), so ``offset`` falls to the sinks still held.
+        """
         dropped = min(nonnegative_int(n, "n"), self._seq_len)
         from_ring = min(dropped, self._ring_count)
         self._ring_count -= from_ring
-        self._sink_count -= dropped - from_ring
-        self._offset -= dropped
+        self._offset -= from_ring
+        if dropped > from_ring:
+            self._sink_count -= dropped - from_ring
+            self._offset = self._sink_count
         self._seq_len -= dropped
         return dropped
 

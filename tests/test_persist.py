@@ -343,11 +343,12 @@ def test_a_missing_file_raises_file_not_found(tmp_path):
 
 
 def test_save_of_something_else_is_a_type_error(tmp_path):
-    class Subclass(nbkv.LayerKVCache):  # say, a rotating cache: state v1 cannot hold
+    class Subclass(nbkv.LayerKVCache):  # a cache type the format does not know
         pass
 
-    for bad in ({"k": np.ones(3)}, Subclass(4, device=DEVICE)):
-        with pytest.raises(nbkv.ArgumentTypeError, match="LayerKVCache or nbkv.KVCache"):
+    rotating_layers = nbkv.KVCache.from_layers([nbkv.RotatingKVCache(4, device=DEVICE)])
+    for bad in ({"k": np.ones(3)}, Subclass(4, device=DEVICE), rotating_layers):
+        with pytest.raises(nbkv.ArgumentTypeError, match="LayerKVCache, a KVCache of them"):
             nbkv.save(tmp_path / "x.safetensors", bad)
     assert not os.listdir(tmp_path)
     nbkv.save(tmp_path / "x.safetensors", nbkv.LayerKVCache(4))

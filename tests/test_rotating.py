@@ -74,11 +74,14 @@ def test_trim_after_wrapping_drops_newest_first_and_lowers_offset(rng, sinks):
             assert_bits_equal(cache.get_kv()[0], K[:, :, positions])
         else:
             assert cache.get_kv() is None
-    assert cache.offset == 13 - (5 - 0)  # every held position dropped: offset fell by 5
-    # appends continue from there: the new tokens take the positions that were dropped
+    # every held position dropped: offset fell by the ring's 5 - sinks, then (if the drops
+    # reached the sinks) to the sinks still held, none
+    assert cache.offset == (13 - 5 if sinks == 0 else 0)
+    # appends continue from there
+    base = cache.offset
     new = randn(rng, (2, 2, 2, 3), "float32")
     cache.append(new, new)
-    assert cache.offset == 10 and cache.seq_len == 2
+    assert cache.offset == base + 2 and cache.seq_len == 2
     assert_bits_equal(cache.get_kv()[0], new)
 
 
@@ -230,8 +233,11 @@ class RotatingMachine(RuleBasedStateMachine):
         dropped = min(n, len(self.positions))
         assert self.cache.trim(n) == dropped
         keep = len(self.positions) - dropped
+        from_ring = min(dropped, sum(p >= self.sinks for p in self.positions))
         self.positions, self.rows = self.positions[:keep], self.rows[:, :, :keep]
-        self.offset -= dropped
+        self.offset -= from_ring
+        if dropped > from_ring:  # into the sinks: what follows them is gone for good
+            self.offset = len(self.positions)
 
     @rule()
     def clear(self):
@@ -259,3 +265,53 @@ class RotatingMachine(RuleBasedStateMachine):
 
 
 TestRotatingMachine = RotatingMachine.TestCase
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n,trim", [(3, 0), (9, 0), (17, 2), (17, 7)])
+def test_save_and_load_keep_the_ring_offset_and_sinks(tmp_path, rng, layout, n, trim):
+    cache = make(layout, window=6, sinks=2, dtype="bfloat16")
+    k = randn(rng, shape_of(layout, 2, 2, n, 3), "bfloat16")
+    cache.append(k, k)
+    cache.trim(trim)
+    path = tmp_path / "ring.safetensors"
+    nbkv.save(path, cache)
+    for back in (nbkv.load(path, device=DEVICE), nbkv.load(path, device="cpu", layout="bshd")):
+        assert (back.offset, back.seq_len, back.window, back.sinks) == (
+            cache.offset,
+            cache.seq_len,
+            6,
+            2,
+        )
+        if cache.seq_len == 0:
+            assert back.get_kv() is None
+            continue
+        want = host(cache.get_kv()[0], cache.dtype)
+        if back.layout != layout:
+            want = want.transpose(0, 2, 1, 3)
+        assert_bits_equal(back.get_kv()[0], np.ascontiguousarray(want))
+    # and it goes on as the original does
+    back = nbkv.load(path, device=DEVICE)
+    more = randn(rng, shape_of(layout, 2, 2, 3, 3), "bfloat16")
+    back.append(more, more)
+    cache.append(more, more)
+    assert_bits_equal(back.get_kv()[0], host(cache.get_kv()[0], cache.dtype))
+    twin = make(layout, window=6, sinks=2, dtype="bfloat16")
+    twin.load_state(path)
+    assert twin.offset == cache.offset - 3
+
+
+def test_load_state_refuses_another_window_and_changes_nothing(tmp_path, rng):
+    cache = make(window=6, sinks=2)
+    cache.append(randn(rng, (2, 2, 9, 3), "float32"), randn(rng, (2, 2, 9, 3), "float32"))
+    path = tmp_path / "ring.safetensors"
+    nbkv.save(path, cache)
+    other = make(window=8, sinks=2)
+    other.append(randn(rng, (2, 2, 3, 3), "float32"), randn(rng, (2, 2, 3, 3), "float32"))
+    before = snapshot(other), other.offset
+    with pytest.raises(nbkv.CacheFormatError, match="window 6"):
+        other.load_state(path)
+    assert_same(before[0], snapshot(other))
+    assert other.offset == before[1]
+    with pytest.raises(nbkv.CacheFormatError, match="holds a RotatingKVCache"):
+        nbkv.LayerKVCache(8, device=DEVICE).load_state(path)
