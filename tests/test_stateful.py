@@ -8,6 +8,9 @@ model says must fail must raise the expected nbkv error and change nothing.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import warnings
 
 import numpy as np
@@ -49,6 +52,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.allocated = eager
         self.K = self.V = None  # the model's positions held (None: none)
         self.twin = None  # a copy and the model state it must keep
+        self.folder = tempfile.mkdtemp(prefix="nbkv-stateful-")
 
     # -- helpers -------------------------------------------------------------------
 
@@ -212,6 +216,23 @@ class CacheMachine(RuleBasedStateMachine):
         assert picked.batch == len(rows) and picked.max_seq_len == self.cap
         K, V = (None, None) if self.K is None else (self.K[rows], self.V[rows])
         self.check(picked, K, V)
+
+    @rule(layout=st.sampled_from(LAYOUTS), clobber=st.booleans())
+    def save_then_load(self, layout, clobber):
+        """A file round trip (into a new cache, and back into this one) changes nothing."""
+        path = os.path.join(self.folder, "cache.safetensors")
+        nbkv.save(path, self.cache)
+        back = nbkv.load(path, device=DEVICE, layout=layout)
+        assert back.max_seq_len == self.cap and back.is_allocated == self.allocated
+        if back.layout == self.layout:
+            self.check(back, self.K, self.V)
+        if clobber and self.allocated and self.seq_len < self.cap:
+            self.cache.append(*self.arrays(1))  # changed, then restored from the file
+            self.cache.load_state(path)
+
+    def teardown(self):
+        if hasattr(self, "folder"):
+            shutil.rmtree(self.folder, ignore_errors=True)
 
     # -- the cache must be the model -----------------------------------------------
 
