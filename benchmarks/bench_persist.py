@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -42,6 +41,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _machine import machine  # noqa: E402  (this folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 try:
@@ -211,29 +211,6 @@ def check(methods, cache) -> None:
     back = nbkv.load(methods[0].folder / "loaded.safetensors")
     if back.seq_len != cache.seq_len or back.max_seq_len != cache.max_seq_len:
         raise SystemExit("nbkv.load gave back the wrong seq_len or capacity")
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import numba
-
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "numba": numba.__version__,
-        "nbkv": nbkv.__version__,
-        "command": " ".join([sys.executable, *sys.argv]),
-    }
 
 
 def bench(layers: int, shape, rounds: int, folder: Path, rng) -> dict:
