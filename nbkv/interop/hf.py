@@ -346,8 +346,7 @@ class NbkvLayer(CacheLayerMixin):
 
         transformers 5: ``crop(-n)`` drops ``n`` positions (``crop(0)`` drops none).
         transformers 4.x: ``crop(n)`` keeps the first ``n``, ``crop(-n)`` drops ``n``.
-        nbkv cannot yet shorten a cache in place (nbkv issue 'sequence management'), so
-        the kept prefix is re-appended onto itself: a copy of ``seq_len`` positions.
+        No data moves (``LayerKVCache.crop``).
         """
         if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral):
             raise ArgumentTypeError(
@@ -366,22 +365,16 @@ class NbkvLayer(CacheLayerMixin):
         self._keep(keep)
 
     def _keep(self, keep: int) -> None:
-        held = self.nbkv.seq_len
-        if keep >= held:
+        if keep >= self.nbkv.seq_len:
             return
-        k, v = self.nbkv.get_kv()
-        self.nbkv.clear()
-        if keep:
-            prefix = (slice(None), slice(None), slice(0, keep))
-            # reads and writes the very same positions, element by element: safe in place
-            self.nbkv.append(k[prefix], v[prefix])
+        self.nbkv.crop(keep)
         self._refresh()
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Reorder the batch rows for beam search: row ``i`` becomes row ``beam_idx[i]``.
 
-        Gathers the positions held into new tensors (as ``DynamicLayer`` does), then
-        writes them back into the buffers; the batch size cannot change.
+        In place, by nbkv's copy kernel (``LayerKVCache.reorder``: at most one scratch
+        batch row); the batch size cannot change.
         """
         if self.nbkv.seq_len == 0:
             return
@@ -391,11 +384,7 @@ class NbkvLayer(CacheLayerMixin):
                 f"beam_idx must be 1-D of length batch_size = {self.batch_size}, got shape "
                 f"{tuple(index.shape)}; {_FIXED_BATCH}"
             )
-        # the gather copies (and checks the indices) before the cache is touched
-        keys = self.keys.index_select(0, index)
-        values = self.values.index_select(0, index)
-        self.nbkv.clear()
-        self._write(keys, values)
+        self.nbkv.reorder(index.cpu().numpy())  # checks every index before anything moves
         self._refresh()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
