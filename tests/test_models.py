@@ -12,7 +12,7 @@ import pytest
 import nbkv
 from nbkv._safetensors import SafetensorsError, load_file, save_file
 from nbkv.models import Llama, LlamaConfig
-from nbkv.models.llama import _inv_freq
+from nbkv.models.config import _inv_freq
 
 from conftest import cpu_only
 

@@ -26,7 +26,8 @@ from numpy.typing import ArrayLike, NDArray
 from .._validate import positive_int
 from ..dtypes import resolve_dtype
 from ..errors import InvalidArgumentError, ShapeMismatchError
-from ..models.llama import DEFAULT_CONFIG, LlamaConfig, _seeded_weights
+from ..models.config import DEFAULT_CONFIG, LlamaConfig
+from ..models.llama import _seeded_weights
 
 __all__ = [
     "MODEL_SHAPES",
