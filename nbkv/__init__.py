@@ -9,9 +9,12 @@
 ((1, 8, 5, 64), 5, 128, 524288)
 """
 
-from . import reference
+from . import launch, protocol, reference
+from ._config import override_tunables, tunables
 from .attention import append_and_attend, attention
-from .cache import DEFAULT_MAX_SEQ_LEN, KVCache, LayerKVCache
+from .backends import to_host
+from .base import BaseKVCache
+from .cache import DEFAULT_MAX_SEQ_LEN, LayerKVCache
 from .dtypes import supported_dtypes
 from .errors import (
     ArgumentTypeError,
@@ -25,8 +28,10 @@ from .errors import (
     LayerIndexError,
     ShapeMismatchError,
 )
+from .kvcache import KVCache
+from .launch import attention_grid, launch_config
 from .layout import LAYOUTS
-from .persist import load, save
+from .persist import load, load_state, save
 from .rotating import RotatingKVCache
 
 __version__ = "0.1.0"
@@ -34,15 +39,24 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_MAX_SEQ_LEN",
     "LAYOUTS",
+    "BaseKVCache",
     "LayerKVCache",
     "KVCache",
     "RotatingKVCache",
     "attention",
     "append_and_attend",
+    "attention_grid",
+    "launch_config",
+    "launch",
+    "protocol",
     "reference",
     "supported_dtypes",
+    "to_host",
+    "tunables",
+    "override_tunables",
     "save",
     "load",
+    "load_state",
     "KVCacheError",
     "CacheOverflowError",
     "ShapeMismatchError",

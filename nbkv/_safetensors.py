@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,48 +94,117 @@ def _name_of(dtype: np.dtype) -> str | None:
 # -- reading -------------------------------------------------------------------------
 
 
+# bounds on what a header's JSON may hold, checked before or while it is decoded
+MAX_DEPTH = 16  # nesting of arrays and objects
+MAX_DIGITS = 19  # digits of an integer (int64 has 19)
+_BRACKETS = np.zeros(256, np.int8)
+_BRACKETS[[ord("["), ord("{")]] = 1
+_BRACKETS[[ord("]"), ord("}")]] = -1
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+class _Refused(ValueError):
+    """A JSON value the decoder refuses (raised inside json's hooks)."""
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise _Refused(f"an integer of {len(text)} characters (at most {MAX_DIGITS} digits)")
+    return int(text)
+
+
+def _no_float(text: str) -> float:
+    raise _Refused(f"a floating-point number ({text[:20]}); headers hold only ints")
+
+
+def _no_constant(text: str) -> float:
+    raise _Refused(f"{text}, which is not JSON")
+
+
+def _unique(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise _Refused(f"the key {dup[:60]!r} twice")
+    return dict(pairs)
+
+
+def loads(raw: bytes, where: str, error: type = None) -> Any:
+    """Decode ``raw`` JSON with bounds: nesting at most MAX_DEPTH, integers of at most
+    MAX_DIGITS digits, no floats, NaN or infinities, no duplicate keys. Anything else
+    raises ``error`` (default SafetensorsError) naming ``where``."""
+    error = error or SafetensorsError
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise error(f"{where}: the header is not valid UTF-8 JSON ({err})") from None
+    # the nesting, counted over the brackets outside strings, before the recursive decoder
+    depth = np.cumsum(_BRACKETS[np.frombuffer(_STRING.sub(b'""', raw), np.uint8)], dtype=np.int64)
+    if depth.size and depth.max() > MAX_DEPTH:
+        raise error(
+            f"{where}: the header nests {int(depth.max())} levels deep (at most {MAX_DEPTH})"
+        )
+    try:
+        return json.loads(
+            text,
+            parse_int=_int,
+            parse_float=_no_float,
+            parse_constant=_no_constant,
+            object_pairs_hook=_unique,
+        )
+    except _Refused as err:
+        raise error(f"{where}: the header holds {err}") from None
+    except (json.JSONDecodeError, RecursionError) as err:
+        raise error(f"{where}: the header is not valid UTF-8 JSON ({err})") from None
+
+
 def _parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict, dict[str, str] | None]:
     """Decode and check a header; return ``(tensors, metadata)``.
 
     ``tensors`` maps each name to ``(dtype, shape, begin, end)``, offsets relative to the
     byte buffer of ``data_len`` bytes.
     """
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise SafetensorsError(f"{where}: the header is not valid UTF-8 JSON ({err})") from None
+    return check_header(loads(raw, where), data_len, where)
+
+
+def check_header(header: Any, data_len: int, where: str) -> tuple[dict, dict[str, str] | None]:
+    """Check a decoded header against a data buffer of ``data_len`` bytes."""
     if not isinstance(header, dict):
         raise SafetensorsError(
             f"{where}: the header must be a JSON object, got {type(header).__name__}"
         )
+    header = dict(header)
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not (
         isinstance(metadata, dict)
         and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
     ):
         raise SafetensorsError(
-            f"{where}: __metadata__ must map strings to strings, got {metadata!r}"
+            f"{where}: __metadata__ must map strings to strings, got {metadata!r:.80}"
         )
     tensors = {}
     for name, entry in header.items():
         if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
             raise SafetensorsError(
-                f"{where}: tensor {name!r} must have dtype, shape and data_offsets, got {entry!r}"
+                f"{where}: tensor {name!r:.60} must have dtype, shape and data_offsets, "
+                f"got {entry!r:.80}"
             )
         code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if code not in DTYPES:
+        if not isinstance(code, str) or code not in DTYPES:
             raise SafetensorsError(
-                f"{where}: tensor {name!r} has dtype {code!r}; known dtypes are {', '.join(DTYPES)}"
+                f"{where}: tensor {name!r:.60} has dtype {code!r:.40}; known dtypes are "
+                f"{', '.join(DTYPES)}"
             )
         dtype = DTYPES[code]
         if dtype is None:
             raise SafetensorsError(
-                f"{where}: tensor {name!r} has dtype {code}, which needs ml_dtypes: "
+                f"{where}: tensor {name!r:.60} has dtype {code}, which needs ml_dtypes: "
                 "pip install 'nbkv[bf16]'"
             )
         if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
             raise SafetensorsError(
-                f"{where}: tensor {name!r} must have a shape of non-negative ints, got {shape!r}"
+                f"{where}: tensor {name!r:.60} must have a shape of non-negative ints, "
+                f"got {shape!r:.80}"
             )
         if not (
             isinstance(offsets, list)
@@ -143,14 +213,14 @@ def _parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict, dict[str
             and 0 <= offsets[0] <= offsets[1] <= data_len
         ):
             raise SafetensorsError(
-                f"{where}: tensor {name!r} has data_offsets {offsets!r}, outside the "
+                f"{where}: tensor {name!r:.60} has data_offsets {offsets!r:.60}, outside the "
                 f"{data_len}-byte data buffer [0, {data_len}]"
             )
         begin, end = offsets
         nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes:
             raise SafetensorsError(
-                f"{where}: tensor {name!r} of dtype {code} and shape {shape} needs "
+                f"{where}: tensor {name!r:.60} of dtype {code} and shape {shape} needs "
                 f"{nbytes} bytes, but its data_offsets {offsets} span {end - begin}"
             )
         tensors[name] = (dtype, tuple(shape), begin, end)
@@ -160,7 +230,7 @@ def _parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict, dict[str
         if begin != cursor:
             what = "overlaps the tensor before it" if begin < cursor else "leaves a hole"
             raise SafetensorsError(
-                f"{where}: tensor {name!r} starts at byte {begin} of the data buffer, "
+                f"{where}: tensor {name!r:.60} starts at byte {begin} of the data buffer, "
                 f"expected {cursor}: it {what}"
             )
         cursor = end
@@ -283,7 +353,7 @@ def _plan(
         code = _name_of(arr.dtype)
         if code is None:
             raise SafetensorsError(
-                f"tensor {name!r} has dtype {arr.dtype}, which safetensors cannot hold "
+                f"tensor {name!r:.60} has dtype {arr.dtype}, which safetensors cannot hold "
                 f"(it holds {', '.join(DTYPES)})"
             )
         arrays[name] = (code, np.asarray(arr, dtype=DTYPES[code], order="C"))  # keeps 0-d
@@ -291,7 +361,7 @@ def _plan(
         isinstance(metadata, Mapping)
         and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
     ):
-        raise ArgumentTypeError(f"metadata must map str to str, got {metadata!r}")
+        raise ArgumentTypeError(f"metadata must map str to str, got {metadata!r:.80}")
     # widest dtypes first keeps every tensor aligned to its item size (as the Rust writer)
     order = sorted(arrays, key=lambda name: (-arrays[name][1].dtype.itemsize, name))
     specs = [(name, arrays[name][0], arrays[name][1].shape) for name in order]

@@ -2,7 +2,13 @@
 
 Decode attention reads only the positions held, ``[0, seq_len)``, and maps query head
 ``h`` to KV head ``h // group`` by index: K/V are never repeated or copied, and no mask
-is built over unused capacity.
+is built over unused capacity. A cache is reached through the cache protocol
+(:mod:`nbkv.protocol`): ``attention_view`` says what to read, ``prepare_append`` /
+``stage_append`` / ``commit_append`` write; no cache type is special-cased here.
+
+NaN and infinities flow through as IEEE arithmetic says, never as an exception: a NaN
+query (or key it sees) gives NaN out, a ``-inf`` score gets weight 0, and a row that sees
+nothing finite gives NaN, as torch's ``scaled_dot_product_attention`` does.
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ import numpy as np
 
 from . import layout as _layout
 from .backends import get_backend
-from .cache import LayerKVCache
 from .dtypes import check_supported
 from .errors import (
     ArgumentTypeError,
@@ -23,7 +28,7 @@ from .errors import (
     InvalidArgumentError,
     ShapeMismatchError,
 )
-from .rotating import RotatingKVCache
+from .protocol import AttentionView, is_layer_cache
 
 __all__ = ["attention", "append_and_attend"]
 
@@ -32,48 +37,63 @@ class _Plan(NamedTuple):
     """Everything a kernel launch needs, all checked."""
 
     backend: Any
-    layout: str
     q: Any  # kernel form: the accumulator dtype, on the backend's device
     out: Any  # what the caller gets back
     result: Any  # what the kernel writes (``out`` itself, or a scratch to cast from)
     scale: float
     causal: bool
-    window: int  # 0: no window
+    window: int  # 0: no window (also when the window covers every position)
     table: Any
 
 
-def _check_options(scale: Any, causal: Any, window: Any, head_dim: int):
+def _check_options(scale: Any, causal: Any, window: Any) -> tuple[Any, bool, int | None]:
     if not isinstance(causal, (bool, np.bool_)):
         raise ArgumentTypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     if window is not None:
-        if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+        if isinstance(window, (bool, np.bool_)) or not isinstance(window, numbers.Integral):
             raise ArgumentTypeError(
                 f"window must be None or a positive int, got {type(window).__name__} {window!r}"
             )
         if window <= 0:
             raise InvalidArgumentError(f"window must be None or a positive int, got {window}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise ArgumentTypeError(
-            f"scale must be None or a real number, got {type(scale).__name__} {scale!r}"
+        window = int(window)
+    if scale is not None:
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+            raise ArgumentTypeError(
+                f"scale must be None or a real number, got {type(scale).__name__} {scale!r}"
+            )
+        if not math.isfinite(scale):
+            raise InvalidArgumentError(f"scale must be finite, got {scale}")
+        scale = float(scale)
+    return scale, bool(causal), window
+
+
+def _adopt_q(q: Any, backend) -> Any:
+    q = backend.adopt(q, "q")
+    if q.ndim != 4:
+        raise ShapeMismatchError(
+            f"q must be 4-D [batch, num_heads, n_q, head_dim], got shape {tuple(q.shape)}"
         )
-    elif not math.isfinite(scale):
-        raise InvalidArgumentError(f"scale must be finite, got {scale}")
-    return float(scale), bool(causal), 0 if window is None else int(window)
+    if min(q.shape) < 1:
+        raise ShapeMismatchError(
+            f"q has shape {tuple(q.shape)}: batch, num_heads, n_q and head_dim must each be "
+            f"at least 1"
+        )
+    check_supported(np.dtype(q.dtype), "q")
+    return q
 
 
-def _pair(kv: Any, layout: str):
+def _pair(kv: Any, layout: str) -> AttentionView:
     """(K, V) given as a pair: check them and find their backend."""
     if not isinstance(kv, (tuple, list)) or len(kv) != 2:
         raise ArgumentTypeError(
-            f"kv must be a LayerKVCache or a (K, V) pair, got {type(kv).__name__}"
+            f"kv must be a layer cache or a (K, V) pair, got {type(kv).__name__}"
         )
     K, V = kv
     on_device = any(
         hasattr(x, "__cuda_array_interface__") or hasattr(x, "__cuda_ndarray__") for x in (K, V)
     )
-    backend = get_backend("cuda" if on_device else "cpu")
+    backend = get_backend("cuda" if on_device else "cpu", layout)
     K, V = backend.adopt(K, "K"), backend.adopt(V, "V")
     for name, x in (("K", K), ("V", V)):
         if x.ndim != 4:
@@ -88,18 +108,19 @@ def _pair(kv: Any, layout: str):
         raise DTypeMismatchError(f"K has dtype {K.dtype} but V has dtype {V.dtype}")
     dtype = check_supported(np.dtype(K.dtype), "K")
     d = _layout.dims(tuple(K.shape), layout)
-    return backend, backend.attention_form(K), backend.attention_form(V), d, dtype
+    if min(d) < 1 and d.seq != 0:
+        raise ShapeMismatchError(f"K has shape {tuple(K.shape)}: every size must be at least 1")
+    if d.seq == 0:
+        raise InvalidArgumentError("K holds no position: there is nothing to attend to")
+    return AttentionView(
+        backend, backend.attention_form(K), backend.attention_form(V), d.seq, d, dtype
+    )
 
 
-def _plan(q, backend, layout, kv_dims, seq_len, dtype, scale, causal, window, out) -> _Plan:
-    """Check q and out against K/V of ``kv_dims`` holding ``seq_len`` positions."""
-    q = backend.adopt(q, "q")
-    if q.ndim != 4:
-        raise ShapeMismatchError(
-            f"q must be 4-D [batch, num_heads, n_q, head_dim], got shape {tuple(q.shape)}"
-        )
-    q_dtype = check_supported(np.dtype(q.dtype), "q")
+def _plan(q, backend, kv_dims, dtype, options, out) -> _Plan:
+    """Check an adopted q and ``out`` against K/V of ``kv_dims`` (seq = positions held)."""
     batch, num_heads, n_q, head_dim = (int(x) for x in q.shape)
+    seq_len = kv_dims.seq
     if batch != kv_dims.batch:
         raise ShapeMismatchError(
             f"q has shape {tuple(q.shape)}: batch {batch}, but the cache holds batch "
@@ -116,14 +137,16 @@ def _plan(q, backend, layout, kv_dims, seq_len, dtype, scale, causal, window, ou
             f"{kv_dims.num_kv_heads} KV heads (grouped-query attention needs num_heads = "
             f"group * num_kv_heads)"
         )
-    if seq_len == 0:
-        raise InvalidArgumentError("the cache holds no position: there is nothing to attend to")
     if n_q > seq_len:
         raise ShapeMismatchError(
             f"q has {n_q} queries but the cache holds {seq_len} positions; the queries are "
             f"the last n_q positions held, so append their K/V first"
         )
-    scale, causal, window = _check_options(scale, causal, window, head_dim)
+    scale, causal, window = options
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    # a window that reaches back past position 0 for every query is no window at all
+    window = 0 if window is None or window >= seq_len else window
+    q_dtype = np.dtype(q.dtype)
     # 16-bit storage is accumulated in float32; float64 anywhere means float64
     acc = np.dtype(np.float64) if np.float64 in (q_dtype, dtype) else np.dtype(np.float32)
     if out is not None:
@@ -134,15 +157,26 @@ def _plan(q, backend, layout, kv_dims, seq_len, dtype, scale, causal, window, ou
             )
         if np.dtype(out.dtype) != q_dtype:
             raise DTypeMismatchError(f"out has dtype {out.dtype} but q has dtype {q_dtype}")
+        if isinstance(out, np.ndarray) and not out.flags.writeable:
+            raise InvalidArgumentError("out is read-only; pass a writeable array (or none)")
     backend.check_attention(kv_dims)
     q_kernel, result, out = backend.attention_arrays(q, acc, out)
     table = backend.attention_table(dtype)
-    return _Plan(backend, layout, q_kernel, out, result, scale, causal, window, table)
+    return _Plan(backend, q_kernel, out, result, scale, causal, window, table)
+
+
+def _run(plan: _Plan, view: AttentionView):
+    be = plan.backend
+    be.attend(
+        plan.q, view.k, view.v, view.seq_len, plan.scale, plan.causal, plan.window, plan.table,
+        plan.result,
+    )  # fmt: skip
+    return be.finish_attention(plan.result, plan.out)
 
 
 def attention(
     q: Any,
-    kv: LayerKVCache | tuple[Any, Any],
+    kv: Any,
     *,
     scale: float | None = None,
     causal: bool = True,
@@ -158,7 +192,7 @@ def attention(
         The queries of the last ``n_q`` positions held (decode: ``n_q == 1``; a prefill
         chunk: ``n_q > 1``). ``num_heads`` is a multiple of ``num_kv_heads``: query head
         ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
-    kv : LayerKVCache, or a (K, V) pair
+    kv : a layer cache (LayerKVCache, RotatingKVCache, ...), or a (K, V) pair
         A pair is read in ``layout`` (default "bhsd"): shape [batch, num_kv_heads, seq_len,
         head_dim], every position held.
     scale : float, default ``head_dim ** -0.5``
@@ -166,9 +200,10 @@ def attention(
         Each query sees the positions up to its own.
     window : int, optional
         Each query sees only the last ``window`` positions, its own included (sliding-window
-        attention, as transformers defines it).
+        attention, as transformers defines it). Any positive int; one at least
+        ``seq_len`` is the same as none.
     out : array, optional
-        Written in place: shape and dtype of ``q``, on the cache's device.
+        Written in place: shape and dtype of ``q``, writeable, on the cache's device.
     layout : {"bhsd", "bshd"}, optional
         The layout of a (K, V) pair; a cache knows its own.
 
@@ -176,14 +211,15 @@ def attention(
     -------
     array of shape [batch, num_heads, n_q, head_dim], ``q``'s dtype, on the cache's device.
     Accumulation is float32 (float64 when ``q`` or the cache is float64), with a streaming
-    softmax that is stable for long contexts and large logits.
+    softmax that is stable for long contexts and large logits. NaN and infinities follow
+    IEEE arithmetic (see the module docstring); they never raise.
 
     Raises
     ------
     ShapeMismatchError, DTypeMismatchError, DeviceMismatchError, InvalidArgumentError,
     ArgumentTypeError
         Heads that do not divide, another head_dim or batch, ``n_q > seq_len``, an empty
-        cache, q on another device, bad options. Nothing is written.
+        cache, q on another device, bad options, a read-only ``out``. Nothing is written.
 
     Examples
     --------
@@ -197,58 +233,41 @@ def attention(
     >>> o.shape, bool(np.allclose(o, nbkv.reference.attention(q, k, k), atol=1e-6))
     ((1, 8, 1, 8), True)
     """
-    if isinstance(kv, LayerKVCache):
+    options = _check_options(scale, causal, window)
+    if is_layer_cache(kv):
         if layout is not None and layout != kv.layout:
             raise InvalidArgumentError(
                 f"layout={layout!r} but this cache holds layout {kv.layout!r}; leave it out"
             )
-        backend, layout = kv._backend, kv.layout
-        K, V = kv._buffers()
-        seq_len, dtype = kv.seq_len, kv.dtype
-        if isinstance(kv, RotatingKVCache) and K is not None:
-            # a decode step reads the ring in place; anything else, the ordered positions
-            n_q = q.shape[2] if getattr(q, "ndim", 0) == 4 else 1
-            K, V, seq_len = kv._attention_view(n_q, window)
-        dims = _layout.Dims(kv.batch, kv.num_kv_heads, seq_len, kv.head_dim)
-        if K is None:
-            raise InvalidArgumentError("the cache holds no position: there is nothing to attend to")
-        K, V = backend.attention_form(K), backend.attention_form(V)
+        q = _adopt_q(q, get_backend(kv.device, kv.layout))
+        # a decode step of a ring reads its buffers in place; anything else in order
+        view = kv.attention_view(int(q.shape[2]), options[2])
     else:
-        layout = _layout.check_layout("bhsd" if layout is None else layout)
-        backend, K, V, dims, dtype = _pair(kv, layout)
-        seq_len = dims.seq
-    plan = _plan(q, backend, layout, dims, seq_len, dtype, scale, causal, window, out)
-    backend.attend(
-        layout,
-        plan.q,
-        K,
-        V,
-        seq_len,
-        plan.scale,
-        plan.causal,
-        plan.window,
-        plan.table,
-        plan.result,
-    )
-    return backend.finish_attention(plan.result, plan.out)
+        view = _pair(kv, _layout.check_layout("bhsd" if layout is None else layout))
+        q = _adopt_q(q, view.backend)
+    plan = _plan(q, view.backend, view.dims, view.dtype, options, out)
+    return _run(plan, view)
 
 
 def append_and_attend(
     q: Any,
     k: Any,
     v: Any,
-    cache: LayerKVCache,
+    cache: Any,
     *,
     scale: float | None = None,
     causal: bool = True,
     window: int | None = None,
     out: Any = None,
 ):
-    """``cache.append(k, v)`` then ``attention(q, cache, ...)``, in one kernel call.
+    """``cache.append(k, v)`` then ``attention(q, cache, ...)``, in one kernel call where
+    the cache allows it.
 
-    One launch on CUDA (per-launch overhead is a large part of a decode step on a GPU).
-    Everything is checked first, as by the two calls: if anything is wrong, nothing is
-    written and the cache is as it was.
+    One launch on CUDA for a :class:`~nbkv.LayerKVCache` (per-launch overhead is a large
+    part of a decode step on a GPU); a ring's slots are not the positions a fused kernel
+    writes, so a :class:`~nbkv.RotatingKVCache` gets the append and then the attention.
+    All or nothing: everything is checked and allocated first, and if anything still
+    fails the cache is put back as it was.
 
     Examples
     --------
@@ -259,36 +278,28 @@ def append_and_attend(
     >>> cache.seq_len, o[0, 1, 0].tolist()
     (1, [3.0, 3.0, 3.0, 3.0])
     """
-    if not isinstance(cache, LayerKVCache):
-        raise ArgumentTypeError(f"cache must be a LayerKVCache, got {type(cache).__name__}")
-    if isinstance(cache, RotatingKVCache):
-        # everything checked first, then the append and the attention (two launches on
-        # CUDA: the ring's slots are not the positions the fused kernel writes)
-        k, v, d, dtype = cache._check_append(k, v)
-        held = min(cache.seq_len + d.seq, cache.window)
-        _plan(q, cache._backend, cache.layout, d, held, dtype, scale, causal, window, out)
-        cache.append(k, v)
-        return attention(q, cache, scale=scale, causal=causal, window=window, out=out)
-    k, v, d, dtype = cache._check_append(k, v)
-    pos = cache.seq_len
-    plan = _plan(q, cache._backend, cache.layout, d, pos + d.seq, dtype, scale, causal, window, out)
-    cache._make_room(pos + d.seq)
-    cache._ensure_allocated(d, dtype)
-    be = cache._backend
-    K, V = (be.attention_form(x) for x in cache._buffers())
+    if not is_layer_cache(cache):
+        raise ArgumentTypeError(f"cache must be a layer cache, got {type(cache).__name__}")
+    options = _check_options(scale, causal, window)
+    append = cache.prepare_append(k, v)
+    be = get_backend(cache.device, cache.layout)
+    q = _adopt_q(q, be)
+    d = append.dims
+    dims = _layout.Dims(d.batch, d.num_kv_heads, append.held_after, d.head_dim)
+    plan = _plan(q, be, dims, append.dtype, options, out)
+    staged = cache.stage_append(append)
+    if staged.fused is None:
+        undo = cache.commit_append(staged, undoable=True)
+        try:
+            return _run(plan, cache.attention_view(int(q.shape[2]), options[2]))
+        except BaseException:
+            undo()
+            raise
+    k_buf, v_buf, pos = staged.fused
+    form = be.attention_form
     be.append_attend(
-        cache.layout,
-        plan.q,
-        be.attention_form(k),
-        be.attention_form(v),
-        pos,
-        K,
-        V,
-        plan.scale,
-        plan.causal,
-        plan.window,
-        plan.table,
-        plan.result,
-    )
-    cache._advance(d.seq)
+        plan.q, form(staged.k), form(staged.v), pos, form(k_buf), form(v_buf),
+        plan.scale, plan.causal, plan.window, plan.table, plan.result,
+    )  # fmt: skip
+    cache.commit_append(staged, written=True)
     return be.finish_attention(plan.result, plan.out)

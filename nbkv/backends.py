@@ -1,27 +1,35 @@
 """Backends: where buffers live, which kernel runs, and the host side of a launch.
 
-A backend is chosen once, when a cache is built (``device="cpu"`` or ``"cuda"``). Caches
-talk to it with plain arrays and ints; it never validates shapes (the cache has done so)
-but it does decide whether an input lives on its device.
+A backend is chosen once, when a cache is built, for a device and a layout:
+``get_backend("cuda", "bshd")`` returns a backend bound to that layout, whose table of
+kernels was picked then, so no call re-decides the layout. Caches talk to it with plain
+arrays and ints; it never validates shapes (the cache has done so) but it does decide
+whether an input lives on its device. :class:`Backend` declares the contract both
+backends implement.
 
-Arrays come in three forms here:
+Arrays come in two forms here:
 
 - *user* arrays: what the caller passed and what ``get_kv`` returns (logical dtype; on
-  CUDA, 16-bit floats are stored as ``uint16`` because Numba has no bfloat16 device array);
+  CUDA, bfloat16 is stored as ``uint16`` because Numba has no bfloat16 device array);
 - *kernel* arrays: the same memory seen with :func:`nbkv.dtypes.kernel_dtype`
-  (``uint16`` for 16-bit floats), which is what kernels are called with.
+  (``uint16`` for 16-bit floats), which is what the copy kernels are called with.
+
+Host<->device copies happen in two named places only: :meth:`Backend.to_kernel` (a host
+input, copied once to the device) and :meth:`Backend.to_host` (a device array, copied
+once to the host). :func:`to_host` is the same for any array, whatever its device.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
-from typing import Any
+import threading
+from typing import Any, Protocol
 
 import numpy as np
 
 from . import _config
+from . import layout as _layout
 from .dtypes import kernel_dtype, widen_table
 from .errors import (
     ArgumentTypeError,
@@ -33,10 +41,71 @@ from .errors import (
 )
 from .kernels import cpu as cpu_kernels
 from .kernels import cpu_attention
+from .launch import attention_grid, attention_scratch_shapes, launch_config
 
-__all__ = ["DEVICES", "get_backend", "CPUBackend", "CUDABackend", "launch_config"]
+__all__ = ["DEVICES", "Backend", "get_backend", "to_host", "CPUBackend", "CUDABackend"]
 
 DEVICES = ("cpu", "cuda")
+
+
+class Backend(Protocol):
+    """What a cache, ``attention`` and persistence may ask of a backend.
+
+    ``k``/``v``/``x`` are kernel-form arrays on the backend's device; caches are
+    ``[batch, num_kv_heads, max_seq_len, head_dim]`` or ``[batch, max_seq_len,
+    num_kv_heads, head_dim]`` buffers in :attr:`layout`.
+    """
+
+    name: str  # "cpu" or "cuda"
+    layout: str  # the layout every array passed in is in
+    seq_axis: int  # where the positions are in that layout
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """An uninitialised user-form buffer on the device."""
+
+    def adopt(self, x: Any, name: str) -> Any:
+        """``x`` as an array the backend can read (no copy), or a typed error."""
+
+    def kernel_view(self, x: Any) -> Any:
+        """The kernel form of an array on the device (a view)."""
+
+    def to_device(self, x: Any) -> Any:
+        """An adopted array on the device in user form (host arrays copied once)."""
+
+    def to_kernel(self, x: Any) -> Any:
+        """An adopted array in kernel form on the device (host arrays copied once)."""
+
+    def to_host(self, x: Any, dtype: np.dtype | None = None) -> np.ndarray:
+        """A host array of ``x`` (device arrays copied once), seen as ``dtype`` if given."""
+
+    def write_kv(self, k: Any, v: Any, pos: int, k_cache: Any, v_cache: Any) -> None:
+        """Write ``k``, ``v`` at positions ``[pos, pos + n)`` of the caches."""
+
+    def write_cache(self, x: Any, pos: int, cache: Any) -> None:
+        """Write one array at positions ``[pos, pos + n)`` of one cache."""
+
+    def attention_form(self, x: Any) -> Any:
+        """What the attention kernels read of a K/V array (16-bit as the kernels want)."""
+
+    def attention_arrays(self, q: Any, acc: np.dtype, out: Any) -> tuple[Any, Any, Any]:
+        """``(q for the kernel, array the kernel writes, array returned)``."""
+
+    def attention_table(self, dtype: np.dtype) -> Any:
+        """The 16-bit widening table the kernels take for ``dtype`` (empty otherwise)."""
+
+    def check_attention(self, dims: _layout.Dims) -> None:
+        """Raise a typed error for sizes the attention kernels cannot take."""
+
+    def attend(self, q, k_cache, v_cache, seq_len, scale, causal, window, table, out) -> None:
+        """Attention of ``q`` over positions ``[0, seq_len)``; writes ``out``."""
+
+    def append_attend(
+        self, q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out
+    ) -> None:
+        """Write ``k``, ``v`` at ``pos``, then attend over ``pos + n`` positions."""
+
+    def finish_attention(self, result: Any, out: Any) -> Any:
+        """``out`` holding the result (cast from ``result`` where they differ)."""
 
 
 def _not_an_array(x: Any, name: str) -> ArgumentTypeError:
@@ -62,10 +131,50 @@ def _host_array(x: Any, name: str) -> np.ndarray:
     raise _not_an_array(x, name)
 
 
+def _attention_arrays(q, acc: np.dtype, out, empty):
+    """(q in the accumulator dtype, the array the kernel writes, the array returned)."""
+    q_dtype = np.dtype(q.dtype)
+    q_kernel = q if q_dtype == acc else q.astype(acc)
+    if out is None:
+        out = empty(q.shape, q_dtype)
+    result = out if q_dtype == acc else empty(q.shape, acc)
+    return q_kernel, result, out
+
+
+def _span(seq_len: int, n_q: int, window: int) -> int:
+    """Positions any of the ``n_q`` last queries can see (all of them without a window)."""
+    return seq_len - (max(0, seq_len - n_q - window + 1) if window else 0)
+
+
+def _transposed(x):
+    return x.transpose(0, 2, 1, 3)
+
+
+def _same(x):
+    return x
+
+
 class CPUBackend:
-    """Buffers are NumPy arrays in host memory; kernels are :mod:`nbkv.kernels.cpu`."""
+    """Buffers are NumPy arrays in host memory; kernels are :mod:`nbkv.kernels.cpu`.
+
+    ``write_kv`` and ``write_cache`` are the layout's ``@njit`` kernels themselves, so the
+    decode loop pays no Python wrapper for them.
+    """
 
     name = "cpu"
+
+    # the kernel table: layout -> (write_kv, write_cache)
+    _KERNELS = {
+        "bhsd": (cpu_kernels.write_kv, cpu_kernels.write_cache),
+        "bshd": (cpu_kernels.write_kv_bshd, cpu_kernels.write_cache_bshd),
+    }
+
+    def __init__(self, layout: str) -> None:
+        self.layout = layout
+        self.seq_axis = _layout.SEQ_AXIS[layout]
+        self.write_kv, self.write_cache = self._KERNELS[layout]
+        # the attention kernels read [batch, num_kv_heads, seq, head_dim] views
+        self._as_bhsd = _transposed if layout == "bshd" else _same
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """An uninitialised buffer (user form)."""
@@ -85,23 +194,18 @@ class CPUBackend:
         kd = kernel_dtype(x.dtype)
         return x if kd == x.dtype else x.view(kd)
 
+    @staticmethod
+    def to_device(x: np.ndarray) -> np.ndarray:
+        """``x`` itself: host arrays are already on this device."""
+        return x
+
     to_kernel = kernel_view  # host arrays are already where CPU kernels read them
 
     @staticmethod
-    def kv_writer(layout: str):
-        """The kernel that writes K and V in ``layout``: ``f(k, v, pos, k_cache, v_cache)``."""
-        return cpu_kernels.write_kv if layout == "bhsd" else cpu_kernels.write_kv_bshd
-
-    def write_kv(self, layout, k, v, pos, k_cache, v_cache) -> None:
-        """Write kernel-form ``k``, ``v`` at ``pos`` into kernel-form caches."""
-        self.kv_writer(layout)(k, v, pos, k_cache, v_cache)
-
-    def write_cache(self, layout, x, pos, cache) -> None:
-        """Write one kernel-form array at ``pos`` into a kernel-form cache."""
-        if layout == "bhsd":
-            cpu_kernels.write_cache(x, pos, cache)
-        else:
-            cpu_kernels.write_cache_bshd(x, pos, cache)
+    def to_host(x: Any, dtype: np.dtype | None = None) -> np.ndarray:
+        """``x`` itself (it is on the host), seen as ``dtype`` if given."""
+        x = np.asarray(x)
+        return x if dtype is None or x.dtype == dtype else x.view(dtype)
 
     # -- attention -----------------------------------------------------------------
 
@@ -118,24 +222,20 @@ class CPUBackend:
     def check_attention(dims) -> None:
         """Nothing the CPU kernels cannot do."""
 
-    def attend(self, layout, q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
-        if layout == "bshd":  # the kernel reads [batch, num_kv_heads, seq, head_dim] views
-            k_cache, v_cache = k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3)
+    def attend(self, q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
+        k_cache, v_cache = self._as_bhsd(k_cache), self._as_bhsd(v_cache)
         batch, num_heads, n_q, head_dim = q.shape
-        span = seq_len - (max(0, seq_len - n_q - window + 1) if window else 0)
         # elements of K and V read, times the query rows each serves: the work to split
-        work = batch * num_heads * n_q * span * head_dim
+        work = batch * num_heads * n_q * _span(seq_len, n_q, window) * head_dim
         parallel = work >= _config.ATTENTION_PARALLEL_MIN
         kernel = cpu_attention.attend if parallel else cpu_attention.attend_serial
         kernel(q, k_cache, v_cache, seq_len, scale, causal, window, table, out)
 
-    def append_attend(
-        self, layout, q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out
-    ):
+    def append_attend(self, q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out):
         # two cached kernels back to back: on the CPU one call buys nothing more
-        self.write_kv(layout, k, v, pos, k_cache, v_cache)
-        n = k.shape[2 if layout == "bhsd" else 1]
-        self.attend(layout, q, k_cache, v_cache, pos + n, scale, causal, window, table, out)
+        self.write_kv(k, v, pos, k_cache, v_cache)
+        n = k.shape[self.seq_axis]
+        self.attend(q, k_cache, v_cache, pos + n, scale, causal, window, table, out)
 
     @staticmethod
     def finish_attention(result, out):
@@ -145,36 +245,9 @@ class CPUBackend:
         return out
 
 
-def _attention_arrays(q, acc: np.dtype, out, empty):
-    """(q in the accumulator dtype, the array the kernel writes, the array returned)."""
-    q_dtype = np.dtype(q.dtype)
-    q_kernel = q if q_dtype == acc else q.astype(acc)
-    if out is None:
-        out = empty(q.shape, q_dtype)
-    result = out if q_dtype == acc else empty(q.shape, acc)
-    return q_kernel, result, out
-
-
-def launch_config(n_elements: int) -> tuple[int, int]:
-    """``(blocks, threads_per_block)`` for a grid-stride kernel over ``n_elements``.
-
-    Blocks hold ``_config.THREADS_PER_BLOCK`` threads (fewer, in whole warps, for a small
-    launch such as one decode token); the grid is capped at ``_config.MAX_BLOCKS``.
-    """
-    warps = math.ceil(max(n_elements, 1) / _config.WARP)
-    threads = min(_config.THREADS_PER_BLOCK, warps * _config.WARP)
-    blocks = min(math.ceil(max(n_elements, 1) / threads), _config.MAX_BLOCKS)
-    return blocks, threads
-
-
-class CUDABackend:
-    """Buffers are Numba device arrays; kernels are :mod:`nbkv.kernels.cuda`.
-
-    Host<->device copies happen only in :meth:`to_kernel` (a host input, once) and where
-    the caller asks for them; everything else stays on the device.
-    """
-
-    name = "cuda"
+class _CUDADevice:
+    """What every CUDA backend of this process shares: the driver, the compiled kernel
+    modules, widening tables on the device, the SM count and the attention scratch."""
 
     def __init__(self) -> None:
         simulated = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
@@ -197,16 +270,73 @@ class CUDABackend:
 
         from .kernels import cuda as cuda_kernels
 
-        self._cuda = cuda
-        self._is_device_array = is_cuda_ndarray
-        self._kernels = cuda_kernels
-        self._attn = None  # nbkv.kernels.cuda_attention, compiled on first use
-        self._tables: dict = {}
-        self._scratch_arrays = None
+        self.cuda = cuda
+        self.is_device_array = is_cuda_ndarray
+        self.kernels = cuda_kernels
+        self._attention = None  # nbkv.kernels.cuda_attention, compiled on first use
+        self.tables: dict[str, Any] = {}
         self._sms: int | None = None
+        # partial results and counters of the last attention launch, per thread (two
+        # threads launching at once must not share counters)
+        self._local = threading.local()
+
+    def attention_kernels(self):
+        if self._attention is None:
+            from .kernels import cuda_attention
+
+            self._attention = cuda_attention
+        return self._attention
+
+    def sm_count(self) -> int:
+        if self._sms is None:
+            device = self.cuda.get_current_device()
+            self._sms = int(getattr(device, "MULTIPROCESSOR_COUNT", 1))
+        return self._sms
+
+    def scratch(self, shapes):
+        """Scratch of these shapes, kept between launches; its counters are zero."""
+        acc_shape, stats_shape, counters_shape = shapes
+        sc = getattr(self._local, "arrays", None)
+        if sc is None or sc[0].shape != acc_shape or sc[2].shape != counters_shape:
+            counters = self.cuda.to_device(np.zeros(counters_shape, np.int32))
+            sc = (
+                self.cuda.device_array(acc_shape, np.float32),
+                self.cuda.device_array(stats_shape, np.float32),
+                counters,
+            )
+            self._local.arrays = sc
+        return sc
+
+    def drop_scratch(self) -> None:
+        """Forget the scratch: a launch that failed may have left counters part-way, so
+        the next launch must start from freshly zeroed ones."""
+        self._local.arrays = None
+
+
+class CUDABackend:
+    """Buffers are Numba device arrays; kernels are :mod:`nbkv.kernels.cuda` and
+    :mod:`nbkv.kernels.cuda_attention`, picked for the layout when the backend is made.
+
+    Host<->device copies happen only in :meth:`to_kernel` (a host input, once) and
+    :meth:`to_host`; everything else stays on the device.
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: _CUDADevice, layout: str) -> None:
+        self._dev = device
+        self._cuda = device.cuda
+        self.layout = layout
+        self.seq_axis = _layout.SEQ_AXIS[layout]
+        self._kv_heads_axis = 1 if layout == "bhsd" else 2
+        k = device.kernels
+        bshd = layout == "bshd"
+        self._write_kv_kernel = k.write_kv_bshd_kernel if bshd else k.write_kv_kernel
+        self._write_cache_kernel = k.write_cache_bshd_kernel if bshd else k.write_cache_kernel
+        self._bshd = bshd
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype):
-        """An uninitialised device buffer; 16-bit floats stored as ``uint16``."""
+        """An uninitialised device buffer; bfloat16 stored as ``uint16``."""
         return self._cuda.device_array(shape, self.stored_dtype(dtype))
 
     @staticmethod
@@ -219,61 +349,62 @@ class CUDABackend:
 
     def adopt(self, x: Any, name: str):
         """A device array (no copy) or a host array (copied later, in :meth:`to_kernel`)."""
-        if self._is_device_array(x):
+        if self._dev.is_device_array(x):
             return x
         if hasattr(x, "__cuda_array_interface__"):
             return self._cuda.as_cuda_array(x)
         return _host_array(x, name)
-
-    def is_host(self, x: Any) -> bool:
-        return isinstance(x, np.ndarray)
 
     def kernel_view(self, x):
         """The kernel form of a device array (a view, never a copy)."""
         kd = kernel_dtype(np.dtype(x.dtype))
         return x if kd == x.dtype else x.view(kd)
 
+    def to_device(self, x):
+        """User form on the device: device arrays as they are, host arrays copied once
+        (bfloat16 as its ``uint16`` bits); the one explicit host->device copy of an input."""
+        if isinstance(x, np.ndarray):
+            host = x.view(self.stored_dtype(np.dtype(x.dtype)))
+            return self._cuda.to_device(np.ascontiguousarray(host))  # contiguous for the DMA
+        return x
+
     def to_kernel(self, x):
         """Kernel form on the device: device arrays as views, host arrays copied once."""
+        return self.kernel_view(self.to_device(x))
+
+    def to_host(self, x: Any, dtype: np.dtype | None = None) -> np.ndarray:
+        """A host copy of a device array (the one explicit device->host copy), seen as
+        ``dtype`` if given (bfloat16 arrives as ``uint16`` bits); host arrays as they are.
+
+        A strided 4-D view (positions of a cache) is gathered on the device first, by
+        the copy kernel, so that one contiguous transfer suffices."""
         if isinstance(x, np.ndarray):
-            host = x.view(kernel_dtype(x.dtype))
-            # the one explicit host->device copy of an append (contiguous for the DMA)
-            return self._cuda.to_device(np.ascontiguousarray(host))
-        return self.kernel_view(x)
+            host = x
+        else:
+            if x.ndim == 4 and not x.is_c_contiguous():
+                dense = self._cuda.device_array(x.shape, x.dtype)
+                blocks, threads = launch_config(int(np.prod(x.shape)))
+                self._dev.kernels.write_cache_kernel[blocks, threads](x, 0, dense)
+                x = dense
+            host = x.copy_to_host()
+        return host if dtype is None or host.dtype == dtype else host.view(dtype)
 
-    def write_kv(self, layout, k, v, pos, k_cache, v_cache) -> None:
-        kernel = (
-            self._kernels.write_kv_kernel
-            if layout == "bhsd"
-            else self._kernels.write_kv_bshd_kernel
-        )
+    def write_kv(self, k, v, pos, k_cache, v_cache) -> None:
         blocks, threads = launch_config(int(np.prod(k.shape)))
-        kernel[blocks, threads](k, v, pos, k_cache, v_cache)
+        self._write_kv_kernel[blocks, threads](k, v, pos, k_cache, v_cache)
 
-    def write_cache(self, layout, x, pos, cache) -> None:
-        kernel = (
-            self._kernels.write_cache_kernel
-            if layout == "bhsd"
-            else self._kernels.write_cache_bshd_kernel
-        )
+    def write_cache(self, x, pos, cache) -> None:
         blocks, threads = launch_config(int(np.prod(x.shape)))
-        kernel[blocks, threads](x, pos, cache)
+        self._write_cache_kernel[blocks, threads](x, pos, cache)
 
     # -- attention (flash-decoding, nbkv.kernels.cuda_attention) -----------------------
-
-    def _attention_kernels(self):
-        if self._attn is None:
-            from .kernels import cuda_attention
-
-            self._attn = cuda_attention
-        return self._attn
 
     def check_attention(self, dims) -> None:
         limit = _config.ATTENTION_MAX_HEAD_DIM
         if dims.head_dim > limit:
             raise ShapeMismatchError(
                 f"head_dim {dims.head_dim} is larger than the CUDA attention kernel's "
-                f"{limit} (nbkv._config.ATTENTION_MAX_HEAD_DIM)"
+                f"{limit} (the tunable ATTENTION_MAX_HEAD_DIM)"
             )
 
     def attention_arrays(self, q, acc: np.dtype, out):
@@ -284,19 +415,17 @@ class CUDABackend:
                 f"q has dtype {q_dtype}; CUDA attention takes float16, float32 or float64 "
                 f"queries (a bfloat16 cache is fine: pass q as float32)"
             )
+        if out is not None and isinstance(out, np.ndarray):
+            raise DeviceMismatchError("out is a host array but this cache lives on cuda")
         if isinstance(q, np.ndarray):
             q = self._cuda.to_device(np.ascontiguousarray(q))  # the explicit copy
         if out is None:
             out = self._cuda.device_array(q.shape, q_dtype)
-        elif isinstance(out, np.ndarray):
-            raise DeviceMismatchError("out is a host array but this cache lives on cuda")
         return q, out, out
 
     def attention_form(self, x):
         """Storage form on the device: float16 stays float16, bfloat16 is uint16 bits."""
-        if isinstance(x, np.ndarray):
-            host = x.view(self.stored_dtype(np.dtype(x.dtype)))
-            return self._cuda.to_device(np.ascontiguousarray(host))
+        x = self.to_device(x)
         if np.dtype(x.dtype) == np.float16 or np.dtype(x.dtype).itemsize != 2:
             return x
         return x.view(np.uint16)
@@ -304,87 +433,82 @@ class CUDABackend:
     def attention_table(self, dtype: np.dtype):
         """bfloat16's widening table on the device (cached); empty for other dtypes."""
         key = str(dtype) if dtype.itemsize == 2 and dtype.kind != "f" else "none"
-        if key not in self._tables:
+        tables = self._dev.tables
+        if key not in tables:
             host = widen_table(dtype) if key != "none" else np.empty(0, np.float32)
-            self._tables[key] = self._cuda.to_device(host)
-        return self._tables[key]
+            tables[key] = self._cuda.to_device(host)
+        return tables[key]
 
-    def _scratch(self, shape_acc, shape_stats, shape_counters):
-        """Partial results and counters, kept between calls (counters stay zeroed)."""
-        sc = self._scratch_arrays
-        if sc is None or sc[0].shape != shape_acc or sc[2].shape != shape_counters:
-            counters = self._cuda.to_device(np.zeros(shape_counters, np.int32))
-            sc = (
-                self._cuda.device_array(shape_acc, np.float32),
-                self._cuda.device_array(shape_stats, np.float32),
-                counters,
-            )
-            self._scratch_arrays = sc
-        return sc
-
-    def _attention_launch(self, q, num_kv_heads, span):
-        attn = self._attention_kernels()
+    def _launch(self, kernel, q, k_cache, span: int, args: tuple) -> None:
+        """Size the grid and scratch, launch, and if anything fails, forget the scratch."""
+        attn = self._dev.attention_kernels()
         batch, num_heads, n_q, dim = (int(x) for x in q.shape)
-        tasks = batch * num_kv_heads
-        chunks = math.ceil(num_heads // num_kv_heads * n_q / attn.ROWS)
-        if _config.ATTENTION_SPLITS is not None:
-            splits = _config.ATTENTION_SPLITS
-        else:
-            want = _config.ATTENTION_BLOCKS_PER_SM * self._sm_count()
-            splits = max(1, min(math.ceil(want / (tasks * chunks)), math.ceil(span / attn.TILE)))
-        splits = max(1, min(splits, span))
-        part = self._scratch(
-            (batch, num_heads, n_q, splits, dim),
-            (batch, num_heads, n_q, splits, 2),
-            (tasks, chunks),
+        kv_heads = int(k_cache.shape[self._kv_heads_axis])
+        grid = attention_grid(
+            batch, num_heads, kv_heads, n_q, span, sm_count=self._dev.sm_count(), tile=attn.TILE
         )
-        return (splits, tasks, chunks), attn.THREADS, part
+        part = self._dev.scratch(attention_scratch_shapes(grid, batch, num_heads, n_q, dim))
+        try:
+            kernel[tuple(grid), attn.THREADS](*args[:-1], *part, args[-1])
+        except BaseException:
+            self._dev.drop_scratch()
+            raise
 
-    def _sm_count(self) -> int:
-        if self._sms is None:
-            device = self._cuda.get_current_device()
-            self._sms = int(getattr(device, "MULTIPROCESSOR_COUNT", 1))
-        return self._sms
+    def attend(self, q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
+        attn = self._dev.attention_kernels()
+        kernel = attn.attend_bshd_kernel if self._bshd else attn.attend_kernel
+        span = _span(seq_len, q.shape[2], window)
+        args = (q, k_cache, v_cache, seq_len, scale, causal, window, table, out)
+        self._launch(kernel, q, k_cache, span, args)
 
-    def attend(self, layout, q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
-        attn = self._attention_kernels()
-        kernel = attn.attend_kernel if layout == "bhsd" else attn.attend_bshd_kernel
-        kv_heads = k_cache.shape[1 if layout == "bhsd" else 2]
-        span = seq_len - (max(0, seq_len - q.shape[2] - window + 1) if window else 0)
-        grid, threads, part = self._attention_launch(q, kv_heads, span)
-        kernel[grid, threads](
-            q, k_cache, v_cache, seq_len, scale, causal, window, table, *part, out
-        )
-
-    def append_attend(
-        self, layout, q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out
-    ):
-        attn = self._attention_kernels()
-        kernel = attn.append_attend_kernel if layout == "bhsd" else attn.append_attend_bshd_kernel
-        kv_heads = k_cache.shape[1 if layout == "bhsd" else 2]
-        grid, threads, part = self._attention_launch(
-            q, kv_heads, pos + k.shape[2 if layout == "bhsd" else 1]
-        )
-        kernel[grid, threads](
-            q, k, v, pos, k_cache, v_cache, scale, causal, window, table, *part, out
-        )
+    def append_attend(self, q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out):
+        attn = self._dev.attention_kernels()
+        kernel = attn.append_attend_bshd_kernel if self._bshd else attn.append_attend_kernel
+        span = _span(pos + k.shape[self.seq_axis], q.shape[2], window)
+        args = (q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out)
+        self._launch(kernel, q, k_cache, span, args)
 
     @staticmethod
     def finish_attention(result, out):
         return out
 
 
-_CPU = CPUBackend()
-_CUDA: CUDABackend | None = None
+_BACKENDS: dict[tuple[str, str], Backend] = {}
+_CUDA_DEVICE: list[_CUDADevice] = []
 
 
-def get_backend(device: object) -> CPUBackend | CUDABackend:
-    """The backend for ``device`` ("cpu" or "cuda"), or a typed error."""
-    global _CUDA
-    if device == "cpu":
-        return _CPU
-    if device == "cuda":
-        if _CUDA is None:
-            _CUDA = CUDABackend()
-        return _CUDA
-    raise InvalidArgumentError(f"device must be one of {DEVICES}, got {device!r}")
+def get_backend(device: object, layout: object = "bhsd") -> Backend:
+    """The backend for ``device`` ("cpu" or "cuda") bound to ``layout``, or a typed error.
+
+    One instance per (device, layout), made on first request.
+    """
+    if device not in DEVICES:
+        raise InvalidArgumentError(f"device must be one of {DEVICES}, got {device!r}")
+    layout = _layout.check_layout(layout)
+    key = (device, layout)
+    backend = _BACKENDS.get(key)
+    if backend is None:
+        if device == "cpu":
+            backend = CPUBackend(layout)
+        else:
+            if not _CUDA_DEVICE:
+                _CUDA_DEVICE.append(_CUDADevice())
+            backend = CUDABackend(_CUDA_DEVICE[0], layout)
+        _BACKENDS[key] = backend
+    return backend
+
+
+def to_host(x: Any, dtype: Any = None) -> np.ndarray:
+    """A NumPy array of ``x``: a CUDA device array copied to the host once, a host array
+    as it is (no copy). ``dtype`` views the result (a bfloat16 CUDA cache's views arrive
+    as ``uint16`` bits: ``to_host(K, cache.dtype)``).
+
+    >>> import numpy as np, nbkv
+    >>> x = np.ones(3, np.float32)
+    >>> nbkv.to_host(x) is x
+    True
+    """
+    dtype = None if dtype is None else np.dtype(dtype)
+    if isinstance(x, np.ndarray) or not hasattr(x, "copy_to_host"):
+        return CPUBackend.to_host(x, dtype)
+    return get_backend("cuda").to_host(x, dtype)

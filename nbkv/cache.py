@@ -1,34 +1,26 @@
-"""LayerKVCache (one attention layer's K and V) and KVCache (a model's layers).
+"""LayerKVCache: one attention layer's K and V, positions in order, a cursor and a capacity.
 
-The classes validate once at the boundary, own the cursor (``seq_len``, a plain ``int``)
-and call kernels through a backend. Every check runs before anything is allocated or
-written, so a call that raises leaves the cache exactly as it was.
+The reference runtime's per-layer cache (``new``, ``with_capacity``, ``append``,
+``get_kv``, ``clear``, ``deallocate``, the deprecated ``k``/``v``/``set_k``/``set_v``),
+its flaws fixed, plus rollback (``crop``, ``trim``) and growth (``on_overflow="grow"``).
+What it shares with the ring of :mod:`nbkv.rotating` lives in :mod:`nbkv.base`.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
+from . import _format
 from . import layout as _layout
-from ._gather import SCRATCH, gather_schedule
-from ._units import human_bytes
-from ._validate import batch_indices, nonnegative_int, optional_positive_int, positive_int
-from .backends import get_backend
-from .dtypes import check_supported, resolve_dtype
-from .errors import (
-    ArgumentTypeError,
-    CacheOverflowError,
-    DTypeMismatchError,
-    InvalidArgumentError,
-    LayerIndexError,
-    ShapeMismatchError,
-)
+from ._validate import nonnegative_int, positive_int
+from .base import BaseKVCache, Storage
+from .errors import CacheOverflowError, InvalidArgumentError, ShapeMismatchError
+from .protocol import AppendPlan, register_cache_type
 
-__all__ = ["DEFAULT_MAX_SEQ_LEN", "DEFAULT_GROW_STEP", "LayerKVCache", "KVCache"]
+__all__ = ["DEFAULT_MAX_SEQ_LEN", "DEFAULT_GROW_STEP", "LayerKVCache"]
 
 DEFAULT_MAX_SEQ_LEN = 2048
 DEFAULT_GROW_STEP = 256
@@ -36,13 +28,9 @@ OVERFLOW_POLICIES = ("error", "grow")
 
 _ndarray = np.ndarray
 
-_AXES = {
-    "bhsd": "[batch, num_kv_heads, seq, head_dim]",
-    "bshd": "[batch, seq, num_kv_heads, head_dim]",
-}
 
-
-class LayerKVCache:
+@register_cache_type("LayerKVCache")
+class LayerKVCache(BaseKVCache):
     """Keys and values of one attention layer, in preallocated buffers.
 
     Buffers have shape ``[batch, num_kv_heads, max_seq_len, head_dim]`` (layout "bhsd",
@@ -53,7 +41,7 @@ class LayerKVCache:
     Parameters
     ----------
     max_seq_len : int, default DEFAULT_MAX_SEQ_LEN (2048)
-        Capacity in positions. Never changes.
+        Capacity in positions (at most 2**31 - 1). Fixed unless ``on_overflow="grow"``.
     batch, num_kv_heads, head_dim : int, optional
         Buffer sizes. Give all of them and ``dtype`` to allocate at once (recommended);
         otherwise the buffers are allocated by the first ``append`` or ``set_k``, taking
@@ -64,11 +52,16 @@ class LayerKVCache:
         "cuda" keeps the buffers as Numba device arrays (a GPU, or the CUDA simulator).
     layout : {"bhsd", "bshd"}
         Axis order of the buffers and of every array passed in or returned.
+    on_overflow : {"error", "grow"}
+        What an append past the capacity does: raise :class:`~nbkv.CacheOverflowError`,
+        or reallocate to the next multiple of ``grow_step`` and copy the positions held.
+    grow_step : int, default DEFAULT_GROW_STEP (256)
 
     Raises
     ------
     ArgumentTypeError, InvalidArgumentError
-        A size that is not a positive int, an unknown layout or device.
+        A size that is not a positive int, an unknown layout, device or policy; buffers
+        larger than the machine can address.
     DTypeMismatchError
         A dtype nbkv does not store.
     BackendUnavailableError
@@ -98,26 +91,22 @@ class LayerKVCache:
         on_overflow: str = "error",
         grow_step: int = DEFAULT_GROW_STEP,
     ) -> None:
-        self._max_seq_len = positive_int(max_seq_len, "max_seq_len")
-        self._layout = _layout.check_layout(layout)
-        if on_overflow not in OVERFLOW_POLICIES:
+        if not isinstance(on_overflow, str) or on_overflow not in OVERFLOW_POLICIES:
             raise InvalidArgumentError(
                 f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}"
             )
         self._on_overflow = on_overflow
         self._grow_step = positive_int(grow_step, "grow_step")
-        configured = (
-            optional_positive_int(batch, "batch"),
-            optional_positive_int(num_kv_heads, "num_kv_heads"),
-            optional_positive_int(head_dim, "head_dim"),
-            None if dtype is None else resolve_dtype(dtype),
+        self._fast = None  # see append()
+        super().__init__(
+            max_seq_len,
+            batch=batch,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+            layout=layout,
         )
-        self._backend = get_backend(device)
-        # what the constructor fixed; deallocate() returns to it
-        self._configured = configured
-        self._release()
-        if all(c is not None for c in configured):
-            self._allocate(*configured)
 
     # -- the reference API's constructors ------------------------------------------
 
@@ -131,218 +120,56 @@ class LayerKVCache:
         """A cache of capacity ``max_seq_len``; lazy unless ``kwargs`` fix every size."""
         return cls(max_seq_len, **kwargs)
 
-    # -- state -----------------------------------------------------------------------
+    @property
+    def on_overflow(self) -> str:
+        """ "error" (an append past capacity raises) or "grow" (capacity grows)."""
+        return self._on_overflow
+
+    @property
+    def grow_step(self) -> int:
+        """Positions a growth rounds the capacity up to a multiple of."""
+        return self._grow_step
+
+    # -- hooks of the base -----------------------------------------------------------
 
     def _release(self) -> None:
-        """Drop the buffers; sizes fall back to what the constructor fixed."""
-        self._batch, self._num_kv_heads, self._head_dim, self._dtype = self._configured
-        self._k = self._v = None  # buffers as users see them
-        self._kk = self._vk = None  # the same memory in kernel form
-        self._seq_len = 0
-        self._fast = None  # see append()
+        super()._release()
+        self._fast = None
 
-    def _allocate(self, batch: int, num_kv_heads: int, head_dim: int, dtype: np.dtype) -> None:
-        shape = _layout.buffer_shape(self._layout, batch, num_kv_heads, self._max_seq_len, head_dim)
-        be = self._backend
-        self._k, self._v = be.empty(shape, dtype), be.empty(shape, dtype)
-        self._kk, self._vk = be.kernel_view(self._k), be.kernel_view(self._v)
-        self._batch, self._num_kv_heads, self._head_dim, self._dtype = (
-            batch,
-            num_kv_heads,
-            head_dim,
-            dtype,
-        )
-
-    @property
-    def seq_len(self) -> int:
-        """Positions held."""
-        return self._seq_len
-
-    @property
-    def max_seq_len(self) -> int:
-        """Capacity in positions."""
-        return self._max_seq_len
-
-    @property
-    def offset(self) -> int:
-        """Tokens seen: the position of the next token. Equal to ``seq_len`` here; a
-        :class:`nbkv.RotatingKVCache` holds fewer rows than it has seen."""
-        return self._seq_len
-
-    @property
-    def is_empty(self) -> bool:
-        return self._seq_len == 0
-
-    @property
-    def is_allocated(self) -> bool:
-        return self._k is not None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the K and V buffers (0 when not allocated)."""
-        return 0 if self._k is None else int(self._k.nbytes + self._v.nbytes)
-
-    @property
-    def dtype(self) -> np.dtype | None:
-        """The stored dtype, once known."""
-        return self._dtype
-
-    @property
-    def device(self) -> str:
-        return self._backend.name
-
-    @property
-    def layout(self) -> str:
-        return self._layout
-
-    @property
-    def batch(self) -> int | None:
-        return self._batch
-
-    @property
-    def num_kv_heads(self) -> int | None:
-        return self._num_kv_heads
-
-    @property
-    def head_dim(self) -> int | None:
-        return self._head_dim
-
-    @property
-    def shape(self) -> tuple[int, int, int, int] | None:
-        """Shape of each buffer (capacity included), or None when not allocated."""
-        return None if self._k is None else tuple(self._k.shape)
-
-    def __len__(self) -> int:
-        return self._seq_len
-
-    def __repr__(self) -> str:
-        shape = "unallocated" if self._k is None else str(tuple(self._k.shape))
-        return (
-            f"{type(self).__name__}(shape={shape}, dtype={self._dtype}, "
-            f"device={self.device!r}, layout={self._layout!r}, "
-            f"seq_len={self._seq_len}/{self._max_seq_len}, "
-            f"nbytes={self.nbytes} ({human_bytes(self.nbytes)}))"
-        )
-
-    # -- validation ------------------------------------------------------------------
-
-    def _adopt(self, x: Any, name: str):
-        """``x`` as an array of this cache's device, 4-D, of a dtype that fits."""
-        arr = self._backend.adopt(x, name)
-        if arr.ndim != 4:
-            raise ShapeMismatchError(
-                f"{name} must be 4-D {_AXES[self._layout]} (layout {self._layout!r}), "
-                f"got a {arr.ndim}-D array of shape {tuple(arr.shape)}"
-            )
-        return arr
-
-    def _dtype_of(self, arr: Any, name: str) -> np.dtype:
-        """The logical dtype of an adopted array, checked against the cache's."""
-        dtype = np.dtype(arr.dtype)
-        want = self._dtype
-        if want is not None and dtype == want:
-            return dtype
-        if (
-            want is not None
-            and self._backend.name == "cuda"
-            and dtype == np.uint16
-            and want.itemsize == 2
-            and want.kind != "f"
-            and not isinstance(arr, np.ndarray)
-        ):
-            # a device array of bfloat16 bit patterns, as device_view(bf16) gives them
-            return want
-        if want is None:
-            return check_supported(dtype, name)
-        raise DTypeMismatchError(
-            f"{name} has dtype {dtype} but this cache holds {want}; nbkv never casts: "
-            f"convert it first ({name}.astype(...))"
-        )
-
-    def _check_fits(self, name: str, arr: Any, d: _layout.Dims) -> None:
-        """Batch, heads and head_dim of ``arr`` against the buffers (or the constructor)."""
-        for field, want in (
-            ("batch", self._batch),
-            ("num_kv_heads", self._num_kv_heads),
-            ("head_dim", self._head_dim),
-        ):
-            got = getattr(d, field)
-            if got < 1:
-                raise ShapeMismatchError(
-                    f"{name} has shape {tuple(arr.shape)}: {field} must be at least 1"
-                )
-            if want is not None and got != want:
-                raise ShapeMismatchError(
-                    f"{name} has shape {tuple(arr.shape)} but this cache holds {field} "
-                    f"{want} (layout {self._layout!r}: {_AXES[self._layout]})"
-                )
-
-    def _check_room(self, n: int, start: int, what: str) -> None:
-        free = self._max_seq_len - start
-        if n > free and self._on_overflow != "grow":
-            raise CacheOverflowError(
-                f"{what} of {n} positions does not fit: the cache holds {self._seq_len} of "
-                f"{self._max_seq_len} positions and {free} are free for it; build it "
-                f"with max_seq_len >= {start + n}"
-            )
-
-    def _check_pair(self, k: Any, v: Any):
-        k = self._adopt(k, "k")
-        v = self._adopt(v, "v")
-        kd = _layout.dims(k.shape, self._layout)
-        vd = _layout.dims(v.shape, self._layout)
-        if kd != vd:
-            field = next(f for f in _layout.Dims._fields if getattr(kd, f) != getattr(vd, f))
-            raise ShapeMismatchError(
-                f"k and v disagree in {field}: k has shape {tuple(k.shape)}, "
-                f"v has shape {tuple(v.shape)} (layout {self._layout!r})"
-            )
-        kt, vt = np.dtype(k.dtype), np.dtype(v.dtype)
-        if kt != vt:
-            raise DTypeMismatchError(f"k has dtype {kt} but v has dtype {vt}")
-        dtype = self._dtype_of(k, "k")
-        self._check_fits("k", k, kd)
-        return k, v, kd, dtype
-
-    # -- for nbkv's own callers (attention): the steps of append, apart ---------------
-
-    def _check_append(self, k: Any, v: Any):
-        """Every check ``append(k, v)`` makes, changing nothing: ``(k, v, dims, dtype)``."""
-        k, v, d, dtype = self._check_pair(k, v)
-        self._check_room(d.seq, self._seq_len, "append")
-        return k, v, d, dtype
-
-    def _ensure_allocated(self, d: _layout.Dims, dtype: np.dtype) -> None:
-        if self._k is None:
-            self._allocate(d.batch, d.num_kv_heads, d.head_dim, dtype)
-
-    def _buffers(self):
-        """The full K and V buffers (None before allocation)."""
-        return self._k, self._v
-
-    def _advance(self, n: int) -> None:
-        """Count ``n`` positions written by a kernel at ``seq_len`` as held."""
-        self._seq_len += n
-
-    def _make_room(self, needed: int) -> None:
-        """Grow the capacity to the next multiple of ``grow_step`` that holds ``needed``.
-
-        Only with ``on_overflow="grow"`` (the checks have refused anything else). New
-        buffers are allocated and the positions held copied once; views taken before keep
-        the old buffers and the old data.
-        """
-        if needed <= self._max_seq_len:
-            return
-        capacity = -(-needed // self._grow_step) * self._grow_step
-        old_k, old_v, held = self._kk, self._vk, self._seq_len
-        self._max_seq_len = capacity
-        if old_k is None:
-            return  # a lazy cache: the first write allocates at the new capacity
-        self._allocate(self._batch, self._num_kv_heads, self._head_dim, self._dtype)
+    def _storage_changed(self) -> None:
         self._fast = None  # it points at the old buffers
-        if held:
+
+    def _check_room(self, n: int, what: str) -> None:
+        if self._on_overflow != "grow":
+            super()._check_room(n, what)
+
+    def _grown_capacity(self, needed: int) -> int:
+        """The capacity that holds ``needed``: the current one, or the next multiple of
+        ``grow_step`` above it."""
+        if needed <= self._max_seq_len:
+            return self._max_seq_len
+        return -(-needed // self._grow_step) * self._grow_step
+
+    def _grown(self, needed: int, sizes: tuple) -> Storage | None:
+        """New buffers of the next multiple of ``grow_step`` that holds ``needed``, with
+        the positions held copied in, or None when they fit. The cache is unchanged: if
+        the allocation fails, capacity, buffers and data are as they were."""
+        if needed <= self._max_seq_len:
+            return None
+        st = self._new_storage(sizes, self._grown_capacity(needed))
+        held = self._seq_len
+        if self._k is not None and held:
             index = _layout.seq_index(self._layout, 0, held)
-            self._backend.write_kv(self._layout, old_k[index], old_v[index], 0, self._kk, self._vk)
+            self._backend.write_kv(self._kk[index], self._vk[index], 0, st.kk, st.vk)
+        return st
+
+    def _storage_for(self, plan: AppendPlan) -> Storage | None:
+        d = plan.dims
+        if d.seq == 0:
+            return None
+        sizes = (d.batch, d.num_kv_heads, d.head_dim, plan.dtype)
+        grown = self._grown(self._seq_len + d.seq, sizes)
+        return grown if grown is not None else super()._storage_for(plan)
 
     # -- the reference API -----------------------------------------------------------
 
@@ -382,53 +209,16 @@ class LayerKVCache:
                 write(k, v, pos, k_buf, v_buf)
                 self._seq_len = pos + n
                 return
-        k, v, d, dtype = self._check_append(k, v)
-        if d.seq == 0:
-            return
-        self._make_room(self._seq_len + d.seq)
-        self._ensure_allocated(d, dtype)
+        plan = self.prepare_append(k, v)
+        self.commit_append(self.stage_append(plan))
         be = self._backend
-        be.write_kv(self._layout, be.to_kernel(k), be.to_kernel(v), pos, self._kk, self._vk)
-        self._seq_len = pos + d.seq
-        if be.name == "cpu" and type(k) is _ndarray and type(v) is _ndarray:
+        k, n = plan.k, plan.dims.seq
+        if n and be.name == "cpu" and type(k) is _ndarray and type(plan.v) is _ndarray:
             if self._kk.dtype == self._dtype:  # 16-bit data need a view: no fast path
-                last_pos = self._max_seq_len - d.seq
-                write = be.kv_writer(self._layout)
-                self._fast = (k.shape, self._dtype, last_pos, d.seq, write, self._kk, self._vk)
-
-    def get_kv(self):
-        """Views ``(K, V)`` of the positions held, or ``None`` when empty.
-
-        Zero-copy views into the buffers (writing into them writes the cache), in the
-        cache's layout: ``[batch, num_kv_heads, seq_len, head_dim]`` for "bhsd". On a CUDA
-        cache they are Numba device arrays, which ``torch.as_tensor`` and
-        ``cupy.asarray`` wrap without a copy (bfloat16 arrives as ``uint16`` bit
-        patterns: ``torch.as_tensor(K).view(torch.bfloat16)``).
-        """
-        if self._seq_len == 0:
-            return None
-        index = _layout.seq_index(self._layout, 0, self._seq_len)
-        return self._k[index], self._v[index]
-
-    def clear(self) -> None:
-        """Forget every position; keep the buffers for reuse."""
-        self._seq_len = 0
-
-    def deallocate(self) -> None:
-        """Free the buffers; keep the capacity (and the sizes the constructor fixed)."""
-        self._release()
+                last_pos = self._max_seq_len - n
+                self._fast = (k.shape, self._dtype, last_pos, n, be.write_kv, self._kk, self._vk)
 
     # -- sequence management -----------------------------------------------------------
-
-    @property
-    def on_overflow(self) -> str:
-        """ "error" (an append past capacity raises) or "grow" (capacity grows)."""
-        return self._on_overflow
-
-    @property
-    def grow_step(self) -> int:
-        """Positions a growth rounds the capacity up to a multiple of."""
-        return self._grow_step
 
     def crop(self, new_len: int) -> None:
         """Keep the first ``new_len`` positions; no data moves.
@@ -459,114 +249,40 @@ class LayerKVCache:
         self._seq_len -= dropped
         return dropped
 
-    def _indices(self, indices: Any, length: int | None) -> list[int]:
-        if self._batch is None:
-            raise InvalidArgumentError(
-                "the cache has no batch rows yet (nothing allocated, no batch given)"
+    # -- state (nbkv.protocol) -----------------------------------------------------------
+
+    def _meta(self) -> dict:
+        meta = super()._meta()
+        meta.update(
+            max_seq_len=self._max_seq_len,
+            on_overflow=self._on_overflow,
+            grow_step=self._grow_step,
+        )
+        return meta
+
+    @classmethod
+    def _read_meta(cls, m: _format.MetaReader) -> dict:
+        return {
+            "max_seq_len": m.int("max_seq_len", minimum=1),
+            "on_overflow": m.choice("on_overflow", OVERFLOW_POLICIES),
+            "grow_step": m.int("grow_step", minimum=1),
+        }
+
+    @classmethod
+    def _check_counts(cls, m: _format.MetaReader, args: dict, held: int) -> None:
+        if held > args["max_seq_len"]:
+            raise m.fail(f"seq_len {held} is more than its max_seq_len {args['max_seq_len']}")
+
+    def _check_import(self, args: dict, held: int, where: str) -> None:
+        if held > self._max_seq_len and self._on_overflow != "grow":
+            raise CacheOverflowError(
+                f"{where} holds {held} positions, more than this cache's capacity "
+                f"max_seq_len = {self._max_seq_len}; build it with max_seq_len >= {held} "
+                "or on_overflow='grow'"
             )
-        return batch_indices(indices, self._batch, "indices", length)
 
-    def _slots_in_use(self) -> int:
-        """Leading buffer positions that hold data (all of them in a rotating cache)."""
-        return self._seq_len
-
-    def _copy_counters(self, other: LayerKVCache) -> None:
-        """Take ``other``'s cursor (a rotating cache has more than one)."""
-        self._seq_len = other._seq_len
-
-    def _row(self, buf, row: int, n: int):
-        """Positions ``[0, n)`` of batch row ``row`` of a kernel-form buffer, kept 4-D."""
-        return buf[row : row + 1][_layout.seq_index(self._layout, 0, n)]
-
-    def reorder(self, indices: Any) -> None:
-        """Row ``i`` becomes old row ``indices[i]``, for every batch row, in place.
-
-        Beam search's reorder: rows may repeat (two beams from one parent) and vanish.
-        ``len(indices) == batch``, each in ``[0, batch)``, checked before anything moves.
-        Done by the cache's copy kernel on its device, row by row in an order that reads
-        every row before it is overwritten; cycles (a swap) borrow one scratch batch row,
-        the only allocation.
-        """
-        rows = self._indices(indices, self._batch)
-        held = self._slots_in_use()
-        if self._k is None or held == 0:
-            return
-        ops = gather_schedule(rows)
-        be = self._backend
-        scratch = None
-        if any(SCRATCH in op for op in ops):
-            shape = _layout.buffer_shape(self._layout, 1, self._num_kv_heads, held, self._head_dim)
-            scratch = tuple(be.kernel_view(be.empty(shape, self._dtype)) for _ in "kv")
-        for dst, src in ops:
-            if src == SCRATCH:
-                k_src, v_src = scratch
-            else:
-                k_src, v_src = self._row(self._kk, src, held), self._row(self._vk, src, held)
-            if dst == SCRATCH:
-                k_dst, v_dst = scratch
-            else:
-                k_dst, v_dst = self._kk[dst : dst + 1], self._vk[dst : dst + 1]
-            be.write_kv(self._layout, k_src, v_src, 0, k_dst, v_dst)
-
-    def select(self, indices: Any) -> LayerKVCache:
-        """A new cache whose row ``i`` is this cache's row ``indices[i]`` (any length >= 1).
-
-        Same capacity, dtype, device, layout and overflow policy; rows copied by the kernel.
-        """
-        rows = self._indices(indices, None)
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        _, heads, dim, dtype = self._configured
-        new._configured = (len(rows), heads, dim, dtype)
-        new._release()
-        if self._k is not None:
-            new._allocate(len(rows), self._num_kv_heads, self._head_dim, self._dtype)
-            held = self._slots_in_use()
-            for i, src in enumerate(rows):
-                if held:
-                    self._backend.write_kv(
-                        self._layout,
-                        self._row(self._kk, src, held),
-                        self._row(self._vk, src, held),
-                        0,
-                        new._kk[i : i + 1],
-                        new._vk[i : i + 1],
-                    )
-            new._copy_counters(self)
-        return new
-
-    def load_state(self, path: Any) -> None:
-        """Replace the positions held with those saved at ``path`` (see nbkv.save).
-
-        Checked in full before anything is written, so on any error the cache is
-        unchanged; see :func:`nbkv.persist.load_state` for what must fit.
-        """
-        from .persist import load_state
-
-        load_state(self, path)
-
-    # -- copies ----------------------------------------------------------------------
-
-    def copy(self) -> LayerKVCache:
-        """An independent copy: new buffers, the positions held copied by the kernel."""
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        new._k = new._v = new._kk = new._vk = new._fast = None  # nothing of self's storage
-        if self._k is not None:
-            new._allocate(self._batch, self._num_kv_heads, self._head_dim, self._dtype)
-            held = self._slots_in_use()
-            if held:
-                index = _layout.seq_index(self._layout, 0, held)
-                self._backend.write_kv(
-                    self._layout, self._kk[index], self._vk[index], 0, new._kk, new._vk
-                )
-        return new
-
-    def __copy__(self) -> LayerKVCache:
-        return self.copy()
-
-    def __deepcopy__(self, memo: dict) -> LayerKVCache:
-        return self.copy()
+    def _capacity_for(self, held: int) -> int:
+        return self._grown_capacity(held) if self._on_overflow == "grow" else self._max_seq_len
 
     # -- deprecated legacy calls of the reference API --------------------------------
 
@@ -586,7 +302,7 @@ class LayerKVCache:
         kv = self.get_kv()
         return None if kv is None else kv[1]
 
-    def _set(self, x: Any, name: str) -> tuple[Any, _layout.Dims, np.dtype]:
+    def _set(self, x: Any, name: str):
         arr = self._adopt(x, name)
         d = _layout.dims(arr.shape, self._layout)
         dtype = self._dtype_of(arr, name)
@@ -602,12 +318,21 @@ class LayerKVCache:
         """
         self._deprecated("LayerKVCache.set_k()", "clear() then append(k, v)")
         arr, d, dtype = self._set(k, "k")
-        self._check_room(d.seq, 0, "set_k")
-        self._make_room(d.seq)
-        if self._k is None:
-            self._allocate(d.batch, d.num_kv_heads, d.head_dim, dtype)
+        if d.seq > self._max_seq_len and self._on_overflow != "grow":
+            raise CacheOverflowError(
+                f"set_k of {d.seq} positions does not fit: the cache holds "
+                f"{self._max_seq_len} positions at most; build it with max_seq_len >= {d.seq}"
+            )
+        sizes = (d.batch, d.num_kv_heads, d.head_dim, dtype)
+        storage = self._grown(d.seq, sizes)
+        if storage is None and self._k is None:
+            storage = self._new_storage(sizes, self._max_seq_len)
+        be = self._backend
+        x = be.to_kernel(arr) if d.seq else None  # the host->device copy, before any change
+        if storage is not None:
+            self._install(storage)
         if d.seq:
-            self._backend.write_cache(self._layout, self._backend.to_kernel(arr), 0, self._kk)
+            be.write_cache(x, 0, self._kk)
         self._seq_len = d.seq
 
     def set_v(self, v: Any) -> None:
@@ -623,181 +348,4 @@ class LayerKVCache:
                 f"{self._seq_len} positions, as the keys hold, got {d.seq}"
             )
         if d.seq:
-            self._backend.write_cache(self._layout, self._backend.to_kernel(arr), 0, self._vk)
-
-
-class KVCache:
-    """A model's cache: one :class:`LayerKVCache` per layer, all built alike.
-
-    Parameters
-    ----------
-    num_layers : int
-    max_seq_len : int, default DEFAULT_MAX_SEQ_LEN
-    **kwargs
-        The keyword arguments of :class:`LayerKVCache` (``batch``, ``num_kv_heads``,
-        ``head_dim``, ``dtype``, ``device``, ``layout``), applied to every layer.
-
-    ``seq_len`` is derived, never stored: the positions every layer holds (the minimum
-    over layers), which during a forward pass is what the model has finished.
-
-    Examples
-    --------
-    >>> import nbkv
-    >>> cache = nbkv.KVCache(2, 64, batch=1, num_kv_heads=2, head_dim=8, dtype="float16")
-    >>> len(cache), cache[0].max_seq_len, cache.nbytes
-    (2, 64, 8192)
-    """
-
-    def __init__(self, num_layers: int, max_seq_len: int = DEFAULT_MAX_SEQ_LEN, **kwargs: Any):
-        num_layers = positive_int(num_layers, "num_layers")
-        self._layers = [LayerKVCache(max_seq_len, **kwargs) for _ in range(num_layers)]
-
-    @classmethod
-    def from_layers(cls, layers: Iterable[LayerKVCache]) -> KVCache:
-        """A model's cache of layer caches built by the caller (e.g. RotatingKVCache)."""
-        layers = list(layers)
-        if not layers or not all(isinstance(layer, LayerKVCache) for layer in layers):
-            raise ArgumentTypeError(
-                "layers must be one or more LayerKVCache (or RotatingKVCache) objects"
-            )
-        new = object.__new__(cls)
-        new._layers = layers
-        return new
-
-    @property
-    def offset(self) -> int:
-        """Tokens every layer has seen (the minimum over layers)."""
-        return min(layer.offset for layer in self._layers)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self._layers)
-
-    def __len__(self) -> int:
-        return len(self._layers)
-
-    def __getitem__(self, i: int) -> LayerKVCache:
-        if type(i) is int:  # the decode loop's path: no more than a list lookup
-            try:
-                return self._layers[i]
-            except IndexError:
-                pass
-        n = len(self._layers)
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-            raise LayerIndexError(f"layer index must be an int, got {type(i).__name__} {i!r}")
-        if not -n <= i < n:
-            raise LayerIndexError(f"layer index must be in [-{n}, {n}), got {i}")
-        return self._layers[i]
-
-    def __iter__(self) -> Iterator[LayerKVCache]:
-        return iter(self._layers)
-
-    @property
-    def seq_len(self) -> int:
-        """Positions held by every layer (the minimum over layers)."""
-        return min(layer.seq_len for layer in self._layers)
-
-    @property
-    def max_seq_len(self) -> int:
-        return self._layers[0].max_seq_len
-
-    @property
-    def is_empty(self) -> bool:
-        """True when no layer holds any position."""
-        return all(layer.is_empty for layer in self._layers)
-
-    @property
-    def is_allocated(self) -> bool:
-        """True when every layer's buffers are allocated."""
-        return all(layer.is_allocated for layer in self._layers)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the buffers of all layers."""
-        return sum(layer.nbytes for layer in self._layers)
-
-    @property
-    def dtype(self) -> np.dtype | None:
-        return self._layers[0].dtype
-
-    @property
-    def device(self) -> str:
-        return self._layers[0].device
-
-    @property
-    def layout(self) -> str:
-        return self._layers[0].layout
-
-    def clear(self) -> None:
-        """Clear every layer, keeping the buffers."""
-        for layer in self._layers:
-            layer.clear()
-
-    def deallocate(self) -> None:
-        """Free every layer's buffers, keeping the capacity."""
-        for layer in self._layers:
-            layer.deallocate()
-
-    def crop(self, new_len: int) -> None:
-        """Keep the first ``new_len`` positions of every layer (at most ``seq_len``)."""
-        new_len = nonnegative_int(new_len, "new_len")
-        if new_len > self.seq_len:
-            raise InvalidArgumentError(
-                f"new_len must be at most seq_len = {self.seq_len} (crop only shortens), "
-                f"got {new_len}"
-            )
-        for layer in self._layers:
-            layer.crop(new_len)
-
-    def trim(self, n: int) -> int:
-        """Drop the last ``n`` positions of every layer; return how many ``seq_len`` lost."""
-        n = nonnegative_int(n, "n")
-        before = self.seq_len
-        for layer in self._layers:
-            layer.trim(n)
-        return before - self.seq_len
-
-    def reorder(self, indices: Any) -> None:
-        """:meth:`LayerKVCache.reorder` on every layer (checked once, before any moves)."""
-        first = self._layers[0]
-        first._indices(indices, first.batch)
-        for layer in self._layers:
-            layer.reorder(indices)
-
-    def select(self, indices: Any) -> KVCache:
-        """A new KVCache of :meth:`LayerKVCache.select` of every layer."""
-        self._layers[0]._indices(indices, None)
-        new = object.__new__(type(self))
-        new._layers = [layer.select(indices) for layer in self._layers]
-        return new
-
-    def load_state(self, path: Any) -> None:
-        """Replace every layer's positions with those saved at ``path`` (see nbkv.save).
-
-        All layers are checked before any is written; see :func:`nbkv.persist.load_state`.
-        """
-        from .persist import load_state
-
-        load_state(self, path)
-
-    def copy(self) -> KVCache:
-        """An independent copy of every layer."""
-        new = object.__new__(type(self))
-        new._layers = [layer.copy() for layer in self._layers]
-        return new
-
-    def __copy__(self) -> KVCache:
-        return self.copy()
-
-    def __deepcopy__(self, memo: dict) -> KVCache:
-        return self.copy()
-
-    def __repr__(self) -> str:
-        first = self._layers[0]
-        shape = "unallocated" if first.shape is None else str(first.shape)
-        return (
-            f"KVCache(num_layers={self.num_layers}, layer_shape={shape}, dtype={self.dtype}, "
-            f"device={self.device!r}, layout={self.layout!r}, "
-            f"seq_len={self.seq_len}/{self.max_seq_len}, "
-            f"nbytes={self.nbytes} ({human_bytes(self.nbytes)}))"
-        )
+            self._backend.write_cache(self._backend.to_kernel(arr), 0, self._vk)

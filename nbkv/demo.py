@@ -33,9 +33,10 @@ import numpy as np
 from . import reference
 from ._units import human_bytes
 from ._validate import positive_int
-from .cache import KVCache
+from .backends import to_host
 from .errors import InvalidArgumentError
 from .kernels import cpu as cpu_kernels
+from .kvcache import KVCache
 from .layout import buffer_shape, seq_index
 
 __all__ = ["DEFAULT_PROMPT", "run_append_demo", "run_model_demo"]
@@ -51,14 +52,6 @@ _LABELS = {
 def _randn(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     # shifted normal data: never zeros, which would hide unwritten memory
     return (rng.standard_normal(shape, dtype=np.float32) + 0.5).astype(dtype)
-
-
-def _host(x: Any, dtype: np.dtype) -> np.ndarray:
-    """A host copy of a cache view in its logical dtype (bfloat16 arrives as uint16)."""
-    if hasattr(x, "copy_to_host"):
-        x = x.copy_to_host()
-    x = np.asarray(x)
-    return x if x.dtype == dtype else x.view(dtype)
 
 
 def _ratio_line(name: str, a: float, b: float) -> str:
@@ -296,7 +289,7 @@ def run_append_demo(
     # correctness: every layer bit-exact against the concatenated reference
     for i in range(L):
         K, V = cache[i].get_kv()
-        if not (np.array_equal(_host(K, dt), Kc[i]) and np.array_equal(_host(V, dt), Vc[i])):
+        if not (np.array_equal(to_host(K, dt), Kc[i]) and np.array_equal(to_host(V, dt), Vc[i])):
             raise AssertionError(f"layer {i}: nbkv K/V differ from the concatenated reference")
         # a slip in the hand-kept cursor would show here
         held = seq_index(layout, 0, pos)

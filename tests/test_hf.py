@@ -465,17 +465,50 @@ def test_crop_zero_removes_nothing_and_positive_is_refused(model):
     assert cache.get_seq_length() == PROMPT_LEN
 
 
-def test_batch_changes_raise_not_implemented_naming_the_issue(model):
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda c: c.batch_select_indices(torch.tensor([2, 0])),  # contrastive search's
+        lambda c: c.batch_select_indices(torch.tensor([True, False, True])),
+        lambda c: c.batch_repeat_interleave(2),  # num_return_sequences' expansion
+        lambda c: c.batch_repeat_interleave(1),
+    ],
+)
+def test_batch_changes_match_dynamic_cache_and_decoding_goes_on(model, change):
+    nb = NbkvCache(model.config, CAPACITY, batch_size=3)
+    dyn = DynamicCache(config=model.config)
+    ids = prompt(3)
+    forward(model, ids, nb)
+    forward(model, ids, dyn)
+    change(nb)
+    change(dyn)
+    batch = dyn.layers[0].keys.shape[0]
+    assert nb.max_batch_size == batch and nb.nbkv[0].batch == batch
+    for got, want in zip(nb.layers, dyn.layers, strict=True):
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+    step = prompt(batch, length=1, seed=5)
+    np.testing.assert_allclose(forward(model, step, nb), forward(model, step, dyn), **F32)
+    assert nb.get_seq_length() == PROMPT_LEN + 1
+
+
+def test_bad_batch_changes_raise_and_change_nothing(model):
     cache = NbkvCache(model.config, CAPACITY, batch_size=2)
     forward(model, prompt(2), cache)
-    cache.batch_repeat_interleave(1)  # nothing to do
-    with pytest.raises(NotImplementedError, match="sequence management"):
-        cache.batch_repeat_interleave(2)
-    with pytest.raises(NotImplementedError, match="sequence management"):
-        cache.batch_select_indices(torch.tensor([0]))
-    with pytest.raises(nbkv.ShapeMismatchError, match="beam_idx.*sequence management"):
-        cache.reorder_cache(torch.tensor([0, 1, 1]))
-    assert cache.get_seq_length() == PROMPT_LEN
+    before = [layer.keys.clone() for layer in cache.layers]
+    for call, error in (
+        (lambda: cache.batch_select_indices(torch.tensor([0, 2])), nbkv.InvalidArgumentError),
+        (lambda: cache.batch_select_indices(torch.tensor([True])), nbkv.ShapeMismatchError),
+        (lambda: cache.batch_select_indices(torch.tensor([[0]])), nbkv.ArgumentTypeError),
+        (lambda: cache.batch_select_indices(torch.tensor([0.5])), nbkv.ArgumentTypeError),
+        (lambda: cache.batch_repeat_interleave(0), nbkv.InvalidArgumentError),
+        (lambda: cache.batch_repeat_interleave(1.5), nbkv.ArgumentTypeError),
+        (lambda: cache.reorder_cache(torch.tensor([0, 1, 1])), nbkv.ShapeMismatchError),
+    ):
+        with pytest.raises(error):
+            call()
+        assert cache.max_batch_size == 2 and cache.get_seq_length() == PROMPT_LEN
+        for layer, keys in zip(cache.layers, before, strict=True):
+            assert torch.equal(layer.keys, keys)
 
 
 def test_reorder_cache_swaps_rows_in_place():

@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 
 import numpy as np
 import pytest
 
 import nbkv
-from nbkv import _safetensors, persist
+from nbkv import _format, _safetensors
 
-from conftest import DEVICE, DTYPES, LAYOUTS, SIMULATOR, assert_bits_equal, randn, shape_of
+from conftest import DEVICE, DTYPES, LAYOUTS, SIMULATOR, assert_bits_equal, host, randn, shape_of
 from test_errors import assert_same, snapshot
 
 OTHER = {"bhsd": "bshd", "bshd": "bhsd"}
@@ -196,9 +197,32 @@ def test_the_file_opens_with_the_safetensors_package(tmp_path, rng):
         for i, (k, v) in enumerate(data):
             assert_bits_equal(f.get_tensor(f"layers.{i}.k"), k)
             assert_bits_equal(f.get_tensor(f"layers.{i}.v"), v)
-    assert meta["format"] == "nbkv-cache" and meta["format_version"] == "1"
-    assert meta["cache_type"] == "KVCache" and meta["num_layers"] == "2"
-    assert json.loads(meta["seq_len"]) == [4, 3] and meta["dtype"] == "float16"
+    assert meta["format"] == "nbkv-cache" and meta["format_version"] == "2"
+    described = json.loads(meta["cache"])
+    assert described["type"] == "KVCache" and len(described["layers"]) == 2
+    assert [layer["seq_len"] for layer in described["layers"]] == [4, 3]
+    assert {layer["dtype"] for layer in described["layers"]} == {"float16"}
+
+
+def test_a_kvcache_of_rotating_and_plain_layers_round_trips(tmp_path, rng):
+    ring = nbkv.RotatingKVCache(4, sinks=1, **SIZES, dtype="float32", device=DEVICE)
+    plain = nbkv.LayerKVCache(16, **SIZES, dtype="float32", device=DEVICE, on_overflow="grow")
+    for _ in range(3):  # the ring wraps: 9 tokens seen, 4 held
+        k = randn(rng, (2, 3, 3, 5), "float32")
+        ring.append(k, k)
+        plain.append(k, -k)
+    cache = nbkv.KVCache.from_layers([ring, plain])
+    nbkv.save(tmp_path / "mixed.safetensors", cache)
+    back = nbkv.load(tmp_path / "mixed.safetensors", device=DEVICE, layout="bshd")
+    assert [type(x) for x in back] == [nbkv.RotatingKVCache, nbkv.LayerKVCache]
+    assert (back[0].offset, back[0].seq_len, back[0].window, back[0].sinks) == (9, 4, 4, 1)
+    assert back[1].on_overflow == "grow" and back[1].seq_len == 9
+    for got, want in zip(back, cache, strict=True):
+        for g, w in zip(got.get_kv(), want.get_kv(), strict=True):
+            assert_bits_equal(g, to_layout(host(w, want.dtype), "bhsd", "bshd"))
+    cache.clear()
+    cache.load_state(tmp_path / "mixed.safetensors")
+    assert (cache[0].offset, cache[1].seq_len) == (9, 9)
 
 
 # -- bad files ------------------------------------------------------------------------
@@ -221,12 +245,41 @@ def refused(path, *fragments):
         assert fragment in str(info.value), (fragment, str(info.value))
 
 
-def rewrite(path, change):
-    """Re-save the file with ``change(tensors, metadata)`` applied (a valid safetensors)."""
+def signed(tensors: dict, metadata: dict) -> bytes:
+    """A file whose header_crc32 is right, computed as nbkv._format documents it."""
+    metadata = {**metadata, "header_crc32": "00000000"}
+    blob = _safetensors.save(tensors, metadata)
+    n = struct.unpack("<Q", blob[:8])[0]
+    metadata["header_crc32"] = f"{zlib.crc32(blob[8 : 8 + n]):08x}"
+    return _safetensors.save(tensors, metadata)
+
+
+def rewrite(path, change, sign=True, recrc=True):
+    """Re-save the file with ``change(tensors, metadata, cache)`` applied, where ``cache``
+    is the decoded ``cache`` field; tensor CRCs and the header checksum recomputed (so
+    the change reaches the checks behind them) unless told otherwise."""
     tensors = {n: np.array(a) for n, a in _safetensors.load_file(path).items()}
     metadata = _safetensors.read_metadata(path)
-    change(tensors, metadata)
-    _safetensors.save_file(tensors, path, metadata)
+    original = metadata["cache"]
+    cache = json.loads(original)
+    change(tensors, metadata, cache)
+    if metadata.get("cache") == original:  # the change edited the decoded cache, if at all
+        metadata["cache"] = json.dumps(cache)
+    if recrc and "crc32" in metadata:
+        crcs = {
+            n: f"{zlib.crc32(np.ascontiguousarray(t).tobytes()):08x}" for n, t in tensors.items()
+        }
+        metadata["crc32"] = json.dumps(crcs)
+    blob = signed(tensors, metadata) if sign else _safetensors.save(tensors, metadata)
+    with open(path, "wb") as f:
+        f.write(blob)
+
+
+def test_a_resigned_file_still_loads(tmp_path, rng):
+    # the test's own signing follows the documented algorithm: a no-op rewrite loads
+    path, _ = saved(tmp_path, rng)
+    rewrite(path, lambda t, m, c: None)
+    assert nbkv.load(path, device=DEVICE).seq_len == 2
 
 
 def test_a_truncated_file_is_refused_at_every_cut(tmp_path, rng):
@@ -249,40 +302,82 @@ def test_a_flipped_byte_in_a_tensor_is_a_crc_error(tmp_path, rng):
         refused(path, "CRC32", "corrupted")
 
 
+def test_any_edit_of_the_metadata_is_caught_by_the_header_checksum(tmp_path, rng):
+    path, raw = saved(tmp_path, rng)
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = raw[8 : 8 + n].decode()
+    # each edit keeps the JSON valid and the length unchanged: only the checksum sees it
+    for old, new in (
+        ('max_seq_len\\":16', 'max_seq_len\\":61'),
+        ('grow_step\\":256', 'grow_step\\":652'),
+    ):
+        assert old in header, old
+        bad = raw[:8] + header.replace(old, new, 1).encode() + raw[8 + n :]
+        with open(path, "wb") as f:
+            f.write(bad)
+        refused(path, "header is corrupted")
+    rewrite(path, lambda t, m, c: c["layers"][0].update(seq_len=2), sign=False)
+    refused(path, "header")
+
+
+def layer0(**fields):
+    return lambda t, m, c: c["layers"][0].update(fields)
+
+
 @pytest.mark.parametrize(
-    "key, value, fragment",
+    "change, fragment",
     [
-        ("format_version", "2", "format_version"),
-        ("format", "other", "format"),
-        ("cache_type", "RotatingKVCache", "RotatingKVCache"),
-        ("num_layers", "3", "seq_len"),
-        ("num_layers", "-1", "num_layers"),
-        ("layout", "hbsd", "layout"),
-        ("dtype", "int8", "dtype"),
-        ("batch", "4", "tensor"),
-        ("seq_len", "[3, 2", "seq_len"),
-        ("seq_len", "[3, 20]", "max_seq_len"),
-        ("seq_len", "[3, true]", "seq_len"),
-        ("offset", "[9, 2]", "offset"),
-        ("allocated", "[true, false]", "allocated"),
-        ("on_overflow", "explode", "on_overflow"),
-        ("grow_step", "0", "grow_step"),
-        ("crc32", "{}", "crc32"),
-        ("crc32", "[[[[[[", "crc32"),
-        ("max_seq_len", "1e9", "max_seq_len"),
+        (lambda t, m, c: m.update(format_version="1"), "format_version"),
+        (lambda t, m, c: m.update(format="other"), "not an nbkv cache file"),
+        (lambda t, m, c: c.update(type="RotatingKVCache"), "RotatingKVCache"),
+        (lambda t, m, c: c.update(type="Nonsense"), "not one this nbkv knows"),
+        (lambda t, m, c: c.update(layers=[]), "layers"),
+        (lambda t, m, c: c.update(layers={"a": 1}), "layers"),
+        (lambda t, m, c: c["layers"].__setitem__(0, 7), "JSON object"),
+        (layer0(type="KVCache"), "cannot be a layer"),
+        (layer0(type=["LayerKVCache"]), "type"),
+        (layer0(layout="hbsd"), "layout"),
+        (layer0(dtype="int8"), "dtype"),
+        (layer0(dtype=["float32"]), "dtype"),
+        (layer0(batch=4), "tensor"),
+        (layer0(batch=0), "batch"),
+        (layer0(batch=2**62), "batch"),
+        (layer0(seq_len=20), "tensor"),
+        (layer0(max_seq_len=2), "max_seq_len"),
+        (layer0(seq_len=True), "seq_len"),
+        (layer0(seq_len=-1), "seq_len"),
+        (layer0(allocated="yes"), "allocated"),
+        (layer0(allocated=False), "not allocated"),
+        (layer0(on_overflow="explode"), "on_overflow"),
+        (layer0(grow_step=0), "grow_step"),
+        (layer0(max_seq_len="big"), "max_seq_len"),
+        (layer0(max_seq_len=2**40), "max_seq_len"),
+        (lambda t, m, c: m.update(crc32="{}"), "crc32"),
+        (lambda t, m, c: m.update(crc32="[[[[[["), "crc32"),
+        (lambda t, m, c: m.update(cache="[" * 3000 + "]" * 3000), "nests"),
+        (lambda t, m, c: m.update(cache='{"type": 1' + "0" * 5000 + "}"), "digits"),
+        (lambda t, m, c: m.update(cache='{"type": 1.5e300}'), "floating-point"),
+        (lambda t, m, c: m.update(cache='{"type": "KVCache", "type": "KVCache"}'), "twice"),
     ],
 )
-def test_bad_metadata_is_refused_by_name(tmp_path, rng, key, value, fragment):
+def test_bad_metadata_is_refused_by_name(tmp_path, rng, change, fragment):
     path, _ = saved(tmp_path, rng)
-    rewrite(path, lambda t, m: m.update({key: value}))
+    rewrite(path, change, recrc="crc32" not in fragment)
     refused(path, fragment)
 
 
-@pytest.mark.parametrize("key", ["format_version", "cache_type", "seq_len", "crc32", "dtype"])
+@pytest.mark.parametrize("key", ["format_version", "cache", "crc32", "header_crc32"])
 def test_a_missing_metadata_field_is_refused(tmp_path, rng, key):
     path, _ = saved(tmp_path, rng)
-    rewrite(path, lambda t, m: m.pop(key))
+    rewrite(path, lambda t, m, c: m.pop(key), recrc=False, sign=key != "header_crc32")
     refused(path, key)
+
+
+@pytest.mark.parametrize("key", ["type", "seq_len", "dtype", "layout", "allocated", "head_dim"])
+def test_a_missing_layer_field_is_refused(tmp_path, rng, key):
+    path, _ = saved(tmp_path, rng)
+    rewrite(path, lambda t, m, c: c["layers"][1].pop(key))
+    refused(path, key, "layer 1")
 
 
 def test_a_plain_safetensors_file_is_not_a_cache(tmp_path):
@@ -293,16 +388,16 @@ def test_a_plain_safetensors_file_is_not_a_cache(tmp_path):
 
 def test_missing_extra_or_misshapen_tensors_are_refused(tmp_path, rng):
     path, _ = saved(tmp_path, rng)
-    rewrite(path, lambda t, m: t.pop("layers.1.v"))
+    rewrite(path, lambda t, m, c: t.pop("layers.1.v"))
     refused(path, "missing ['layers.1.v']")
     path, _ = saved(tmp_path, rng)
-    rewrite(path, lambda t, m: t.update({"extra": np.ones(2, np.float32)}))
+    rewrite(path, lambda t, m, c: t.update({"extra": np.ones(2, np.float32)}))
     refused(path, "unexpected ['extra']")
     path, _ = saved(tmp_path, rng)
-    rewrite(path, lambda t, m: t.update({"layers.0.k": t["layers.0.k"][:, :, :2]}))
+    rewrite(path, lambda t, m, c: t.update({"layers.0.k": t["layers.0.k"][:, :, :2]}))
     refused(path, "layers.0.k")
     path, _ = saved(tmp_path, rng)
-    rewrite(path, lambda t, m: t.update({"layers.0.k": t["layers.0.k"].astype(np.float64)}))
+    rewrite(path, lambda t, m, c: t.update({"layers.0.k": t["layers.0.k"].astype(np.float64)}))
     refused(path, "layers.0.k")
 
 
@@ -322,6 +417,10 @@ def test_garbage_headers_are_refused(tmp_path):
     refused(path, "JSON object")
     header_file(path, b'{"__metadata__": {"format": 1}}')
     refused(path, "__metadata__")
+    header_file(path, b'{"x": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}', b"abcd")
+    refused(path, "dtype")
+    header_file(path, b"[" * 2000 + b"]" * 2000)
+    refused(path, "nests")
 
 
 def test_offsets_outside_the_data_are_refused(tmp_path, rng):
@@ -334,6 +433,46 @@ def test_offsets_outside_the_data_are_refused(tmp_path, rng):
     refused(path, "data_offsets")
 
 
+def test_a_small_file_cannot_make_load_allocate_more_than_it_holds(tmp_path, rng):
+    # a tensor table that claims 58 TiB in a file of a few hundred bytes
+    path, raw = saved(tmp_path, rng)
+    rewrite(path, layer0(batch=2**20, num_kv_heads=2**20))
+    refused(path, "tensor")  # the claimed shape must match the bytes in the file
+
+
+def test_a_capacity_no_machine_can_address_is_refused(tmp_path, rng):
+    # held tensors of zero positions (no bytes), but buffers of 2**31 - 1 rows of 2**40
+    # elements each: a valid checksum cannot make that a cache
+    def huge(t, m, c):
+        c["layers"][0].update(seq_len=0, batch=2**31 - 1, num_kv_heads=2**20, max_seq_len=2**31 - 1)
+        for w in "kv":
+            t[f"layers.0.{w}"] = np.empty((2**31 - 1, 2**20, 0, 5), np.float32)
+
+    path, _ = saved(tmp_path, rng)
+    rewrite(path, huge)
+    refused(path, "address")
+
+
+def test_a_lazy_layer_is_loaded_without_allocating_its_capacity(tmp_path):
+    lazy = nbkv.LayerKVCache(2**31 - 1, batch=2**10, num_kv_heads=2**10, device=DEVICE)
+    nbkv.save(tmp_path / "lazy.safetensors", lazy)
+    back = nbkv.load(tmp_path / "lazy.safetensors", device=DEVICE)  # 2**51 elements, unmade
+    assert not back.is_allocated and back.max_seq_len == 2**31 - 1 and back.batch == 2**10
+
+
+def test_a_rotating_file_with_a_hole_before_the_offset_is_refused(tmp_path, rng):
+    ring = nbkv.RotatingKVCache(8, sinks=4, **SIZES, dtype="float32", device=DEVICE)
+    k = randn(rng, (2, 3, 2, 5), "float32")
+    ring.append(k, k)  # offset 2, sink_count 2
+    path, _ = saved(tmp_path, rng, ring)
+    rewrite(path, layer0(offset=3))  # sink_count 2 < offset 3 < sinks 4: position 2 missing
+    refused(path, "do not describe a rotating cache")
+    for bad in ({"sink_count": 3}, {"offset": 1}, {"window": 4}, {"sinks": 9}, {"offset": "x"}):
+        path, _ = saved(tmp_path, rng, ring)
+        rewrite(path, layer0(**bad))
+        refused(path)
+
+
 def test_a_missing_file_raises_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         nbkv.load(tmp_path / "nothing.safetensors")
@@ -342,14 +481,32 @@ def test_a_missing_file_raises_file_not_found(tmp_path):
         cache.load_state(tmp_path / "nothing.safetensors")
 
 
+@pytest.mark.parametrize("bad", [None, 3, b"x.safetensors", "", ["a"]])
+def test_a_path_that_is_no_path_is_a_type_error(tmp_path, bad):
+    cache = nbkv.LayerKVCache(4, device=DEVICE)
+    for call in (
+        lambda: nbkv.save(bad, cache),
+        lambda: nbkv.load(bad),
+        lambda: cache.load_state(bad),
+        lambda: nbkv.load_state(cache, bad),
+    ):
+        with pytest.raises(nbkv.ArgumentTypeError, match="path"):
+            call()
+    assert not os.listdir(tmp_path)
+
+
 def test_save_of_something_else_is_a_type_error(tmp_path):
     class Subclass(nbkv.LayerKVCache):  # a cache type the format does not know
         pass
 
-    rotating_layers = nbkv.KVCache.from_layers([nbkv.RotatingKVCache(4, device=DEVICE)])
-    for bad in ({"k": np.ones(3)}, Subclass(4, device=DEVICE), rotating_layers):
-        with pytest.raises(nbkv.ArgumentTypeError, match="LayerKVCache, a KVCache of them"):
+    for bad in ({"k": np.ones(3)}, nbkv.LayerKVCache, 3):
+        with pytest.raises(nbkv.ArgumentTypeError, match="cache must be"):
             nbkv.save(tmp_path / "x.safetensors", bad)
+    with pytest.raises(nbkv.ArgumentTypeError, match="Subclass.*register"):
+        nbkv.save(tmp_path / "x.safetensors", Subclass(4, device=DEVICE))
+    mixed = nbkv.KVCache.from_layers([nbkv.LayerKVCache(4), Subclass(4, device=DEVICE)])
+    with pytest.raises(nbkv.ArgumentTypeError, match="layer 1"):
+        nbkv.save(tmp_path / "x.safetensors", mixed)
     assert not os.listdir(tmp_path)
     nbkv.save(tmp_path / "x.safetensors", nbkv.LayerKVCache(4))
     with pytest.raises(nbkv.ArgumentTypeError, match="Subclass"):
@@ -454,7 +611,7 @@ def test_a_crash_mid_save_leaves_the_target_untouched(tmp_path, rng, monkeypatch
     if existing:
         target.write_bytes(old)
     calls = []
-    write = persist._write
+    write = _format._write
 
     def crash_on_the_third_piece(f, piece):
         calls.append(len(piece))
@@ -462,14 +619,14 @@ def test_a_crash_mid_save_leaves_the_target_untouched(tmp_path, rng, monkeypatch
             raise OSError("disk on fire")
         write(f, piece)
 
-    monkeypatch.setattr(persist, "_write", crash_on_the_third_piece)
+    monkeypatch.setattr(_format, "_write", crash_on_the_third_piece)
     with pytest.raises(OSError, match="disk on fire"):
         nbkv.save(target, cache)
     assert len(calls) == 3
     assert os.listdir(tmp_path) == (["c.safetensors"] if existing else [])  # no temp file
     if existing:
         assert target.read_bytes() == old
-    monkeypatch.setattr(persist, "_write", write)
+    monkeypatch.setattr(_format, "_write", write)
     nbkv.save(target, cache)  # and a save that completes replaces it
     assert os.listdir(tmp_path) == ["c.safetensors"]
     assert nbkv.load(target, device=DEVICE).seq_len == 3

@@ -142,7 +142,7 @@ def test_truncated_file_raises(tmp_path, rng, keep):
         ),
         ({"x": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, 8, "dtype 'C64'"),
         ({"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, 4, "shape"),
-        ({"x": {"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]}}, 4, "shape"),
+        ({"x": {"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]}}, 4, "floating-point"),
         ({"x": {"dtype": "F32", "shape": [1]}}, 4, "data_offsets"),
         ({"x": [1, 2]}, 4, "data_offsets"),
         ({"__metadata__": {"k": 1}}, 0, "__metadata__"),

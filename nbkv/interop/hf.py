@@ -41,7 +41,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from .._validate import positive_int
-from ..cache import KVCache, LayerKVCache
+from ..cache import LayerKVCache
 from ..dtypes import resolve_dtype
 from ..errors import (
     ArgumentTypeError,
@@ -50,6 +50,7 @@ from ..errors import (
     InvalidArgumentError,
     ShapeMismatchError,
 )
+from ..kvcache import KVCache
 
 __all__ = ["NbkvCache", "NbkvLayer"]
 
@@ -64,12 +65,6 @@ _TORCH_DTYPES = {
 # transformers 5 made crop's argument a count to remove (negative); 4.x took the length
 # to keep (or, negative, a count to remove)
 _CROP_REMOVES = "tokens_to_remove" in inspect.signature(DynamicLayer.crop).parameters
-
-_FIXED_BATCH = (
-    "nbkv buffers have a fixed batch; changing it is part of the nbkv issue "
-    "'sequence management'. Build the NbkvCache with the batch generate runs "
-    "(batch x num_beams x num_return_sequences) instead"
-)
 
 
 # -- constructor arguments -----------------------------------------------------------
@@ -164,6 +159,22 @@ def _resolve_device(device: Any) -> torch.device:
             f"buffers on the current device, so 'cuda:0' at most), got {device!r}"
         )
     return resolved
+
+
+def _rows(indices: Any, name: str) -> np.ndarray:
+    """Batch row indices (a tensor, array or sequence) as a 1-D host array."""
+    if isinstance(indices, torch.Tensor):
+        indices = indices.detach().cpu().numpy()
+    try:
+        rows = np.asarray(indices)
+    except (TypeError, ValueError) as err:
+        raise ArgumentTypeError(f"{name} must be 1-D batch row indices ({err})") from None
+    if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iub"):
+        raise ArgumentTypeError(
+            f"{name} must be 1-D integer batch row indices (or a bool mask), got shape "
+            f"{rows.shape} of dtype {rows.dtype}"
+        )
+    return rows
 
 
 # -- one layer -------------------------------------------------------------------------
@@ -374,33 +385,45 @@ class NbkvLayer(CacheLayerMixin):
         """Reorder the batch rows for beam search: row ``i`` becomes row ``beam_idx[i]``.
 
         In place, by nbkv's copy kernel (``LayerKVCache.reorder``: at most one scratch
-        batch row); the batch size cannot change.
+        batch row); the batch size stays (``batch_select_indices`` changes it).
         """
         if self.nbkv.seq_len == 0:
             return
-        index = torch.as_tensor(beam_idx, device=self.device)
-        if index.ndim != 1 or index.shape[0] != self.batch_size:
+        index = _rows(beam_idx, "beam_idx")
+        if index.shape[0] != self.batch_size:
             raise ShapeMismatchError(
-                f"beam_idx must be 1-D of length batch_size = {self.batch_size}, got shape "
-                f"{tuple(index.shape)}; {_FIXED_BATCH}"
+                f"beam_idx must be 1-D of length batch_size = {self.batch_size}, got "
+                f"{index.shape[0]} indices"
             )
-        self.nbkv.reorder(index.cpu().numpy())  # checks every index before anything moves
+        self.nbkv.reorder(index)  # checks every index before anything moves
         self._refresh()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Only ``repeats == 1`` (nothing to do): the batch of nbkv buffers is fixed."""
-        if repeats != 1:
-            raise NotImplementedError(
-                f"batch_repeat_interleave({repeats}) would turn batch {self.batch_size} into "
-                f"{self.batch_size * repeats}; {_FIXED_BATCH}"
-            )
+        """Repeat every batch row ``repeats`` times, in place of the row (row ``i`` becomes
+        rows ``i * repeats ... i * repeats + repeats - 1``): ``num_return_sequences`` and
+        beam search expand a prompt's cache this way. New buffers of ``batch * repeats``
+        rows, filled by nbkv's copy kernel (``LayerKVCache.select``)."""
+        repeats = positive_int(repeats, "repeats")
+        self._select(np.repeat(np.arange(self.batch_size), repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Not supported: selecting rows changes the batch of nbkv's fixed buffers."""
-        raise NotImplementedError(
-            f"batch_select_indices would change the batch of this cache ({self.batch_size}); "
-            f"{_FIXED_BATCH}"
-        )
+        """Keep only the batch rows ``indices`` (ints, in that order, repeats allowed; or
+        a bool mask over the rows), as contrastive search does. New buffers of that many
+        rows, filled by nbkv's copy kernel (``LayerKVCache.select``)."""
+        rows = _rows(indices, "indices")
+        if rows.dtype == np.bool_:
+            if rows.shape[0] != self.batch_size:
+                raise ShapeMismatchError(
+                    f"a bool mask of indices must have batch_size = {self.batch_size} "
+                    f"entries, got {rows.shape[0]}"
+                )
+            rows = np.flatnonzero(rows)
+        self._select(rows)
+
+    def _select(self, rows: np.ndarray) -> None:
+        self.nbkv = self.nbkv.select(rows)  # checked first; a new cache of len(rows) rows
+        self.batch_size = self.max_batch_size = self.nbkv.batch
+        self._refresh()
 
 
 # -- the model's cache ------------------------------------------------------------------
@@ -439,7 +462,9 @@ class NbkvCache(Cache):
     Attributes
     ----------
     nbkv : nbkv.KVCache
-        The underlying nbkv cache (``cache.nbkv[i].get_kv()`` gives layer ``i``'s views).
+        The underlying nbkv layers as a KVCache (``cache.nbkv[i].get_kv()`` gives layer
+        ``i``'s views); made from the layers on each access, so it follows a change of
+        batch.
 
     Raises
     ------
@@ -454,11 +479,12 @@ class NbkvCache(Cache):
 
     Notes
     -----
-    Inference only: tensors that require grad are refused. ``crop`` copies the kept
-    positions and ``reorder_cache`` (beam search) gathers them, as ``DynamicCache`` does;
-    ``batch_repeat_interleave`` and ``batch_select_indices`` would change the fixed batch
-    and raise ``NotImplementedError`` (nbkv issue 'sequence management'). Not
-    ``torch.compile``-able.
+    Inference only: tensors that require grad are refused. ``crop`` moves no data (it
+    lowers ``seq_len``: ``LayerKVCache.crop``); ``reorder_cache`` (beam search) gathers
+    rows in place with nbkv's copy kernel; ``batch_repeat_interleave``
+    (``num_return_sequences``) and ``batch_select_indices`` (contrastive search) change
+    the batch through ``LayerKVCache.select``: new buffers of the new batch, every layer
+    built before any is replaced. Not ``torch.compile``-able.
 
     Examples
     --------
@@ -490,7 +516,7 @@ class NbkvCache(Cache):
         num_layers, num_kv_heads, head_dim = _sizes_from_config(config)
         np_dtype, torch_dtype = _resolve_dtypes(dtype, config)
         torch_device = _resolve_device(device)
-        self.nbkv = KVCache(
+        cache = KVCache(
             num_layers,
             max_cache_len,
             batch=batch_size,
@@ -502,10 +528,35 @@ class NbkvCache(Cache):
         )
         self._dtype = torch_dtype
         self._device = torch_device
-        super().__init__(layers=self._wrap(self.nbkv))
+        super().__init__(layers=self._wrap(cache))
 
     def _wrap(self, cache: KVCache) -> list[NbkvLayer]:
         return [NbkvLayer(layer, self._dtype, self._device) for layer in cache]
+
+    @property
+    def nbkv(self) -> KVCache:
+        return KVCache.from_layers(layer.nbkv for layer in self.layers)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows ``indices`` in every layer (see
+        :meth:`NbkvLayer.batch_select_indices`); all or nothing."""
+        self._rebatch(lambda layer: layer.batch_select_indices(indices))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times in every layer; all or nothing."""
+        self._rebatch(lambda layer: layer.batch_repeat_interleave(repeats))
+
+    def _rebatch(self, change) -> None:
+        # every layer's new buffers are made on copies of the layer objects, then swapped
+        # in together: an error (bad indices, out of memory) leaves every layer as it was
+        fresh = []
+        for layer in self.layers:
+            twin = object.__new__(type(layer))
+            twin.__dict__.update(layer.__dict__)
+            change(twin)
+            fresh.append(twin)
+        for layer, twin in zip(self.layers, fresh, strict=True):
+            layer.__dict__.update(twin.__dict__)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -531,8 +582,7 @@ class NbkvCache(Cache):
         """An independent copy: new nbkv buffers holding the same positions."""
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
-        new.nbkv = self.nbkv.copy()
-        new.layers = new._wrap(new.nbkv)
+        new.layers = new._wrap(self.nbkv.copy())
         return new
 
     def __copy__(self) -> NbkvCache:

@@ -84,7 +84,8 @@ def _scores(qs, kb, s):
         r += 1
 
 
-@njit(cache=True, fastmath=_config.FASTMATH)
+# error_model="numpy": a division by zero gives inf or NaN as IEEE says, never an exception
+@njit(cache=True, fastmath=_config.FASTMATH, error_model="numpy")
 def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out, task):
     """:func:`attend` for one (batch row, KV head) pair, ``task = b * num_kv_heads + kvh``."""
     batch, num_heads, n_q, dim = q.shape
@@ -124,10 +125,15 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
         for r in range(rows):
             block_max = -np.inf
             for j in range(nb):
-                block_max = max(block_max, s[r, j])
-            if block_max == -np.inf:  # nothing visible to this row in this block
+                block_max = max(block_max, s[r, j])  # max(m, NaN) is m: NaN is seen below
+            if block_max == -np.inf:  # nothing finite in this row of the block
+                poisoned = False
                 for j in range(nb):
+                    poisoned |= s[r, j] != s[r, j]
                     s[r, j] = 0.0
+                if poisoned:  # a NaN score: the row's output is NaN, as IEEE says
+                    m[r] = np.nan
+                    denom[r] = np.nan
                 continue
             m_new = max(m[r], block_max)
             # rescale what was accumulated under the old maximum (exp(-inf) = 0)
@@ -144,7 +150,7 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
         _accumulate(s, vb, acc)
     for r in range(rows):
         h = kvh * group + r // n_q
-        inv = 1.0 / denom[r]
+        inv = 1.0 / denom[r]  # inf when nothing was finite: 0 * inf = NaN out
         for d in range(dim):
             out[b, h, r % n_q, d] = acc[r, d] * inv
 

@@ -19,9 +19,14 @@ block of a (KV head, row chunk) to finish (an atomic counter, after a memory fen
 combines the splits and writes the output, then resets the counter for the next launch.
 No second launch is needed.
 
-``append_attend_kernel`` first writes the ``n`` new positions: the block whose split holds
+``append_attend_kernel`` also writes the ``n`` new positions: the block whose split holds
 position ``j >= pos`` copies it from ``k``/``v`` into the cache and reads it from ``k``/``v``
-itself, so the write needs no grid-wide barrier before the attention reads it.
+itself, so the write needs no grid-wide barrier before the attention reads it. New
+positions that no query can see (before a ``window``) are copied by the task's chunk-0
+blocks, split-strided, since no split holds them.
+
+NaN and infinities flow through as IEEE arithmetic says: a NaN score makes its row's
+output NaN, a ``-inf`` score gets weight 0, a row with nothing finite gives NaN.
 
 16-bit storage: float16 caches are read as float16; bfloat16 caches arrive as ``uint16``
 bit patterns and are widened by a float32 lookup table (``table``; empty otherwise).
@@ -138,6 +143,16 @@ def _make(bshd: bool):
             den[t] = 0.0
         for i in range(_ACC_SIZE):
             acc[i] = 0.0
+        # new positions before the window (append_attend with more new positions than
+        # window + n_q - 1): no query sees them, so no split reads them, but they must
+        # still reach the cache; chunk 0's blocks of this task copy them, split-strided
+        if chunk == 0:
+            hidden = min(lo, seq_len) - pos
+            for idx in range(split * THREADS + t, hidden * dim, num_splits * THREADS):
+                jj = idx // dim
+                d = idx - jj * dim
+                store(k_cache, b, kvh, pos + jj, d, load(k, b, kvh, jj, d))
+                store(v_cache, b, kvh, pos + jj, d, load(v, b, kvh, jj, d))
         cuda.syncthreads()
 
         for j0 in range(start, end, TILE):
@@ -172,10 +187,16 @@ def _make(bshd: bool):
                 tile_max = _NEG_INF
                 for i in range(TILE):
                     tile_max = max(tile_max, s[t, i])
-                if tile_max == _NEG_INF:  # nothing visible to this row in this tile
-                    corr[t] = 1.0
+                if tile_max == _NEG_INF:  # nothing finite in this row of the tile
+                    poisoned = False
                     for i in range(TILE):
+                        poisoned = poisoned or s[t, i] != s[t, i]
                         s[t, i] = 0.0
+                    corr[t] = 1.0
+                    if poisoned:  # a NaN score (max() drops NaN): the row's output is NaN
+                        m[t] = math.nan
+                        den[t] = math.nan
+                        corr[t] = math.nan
                 else:
                     m_new = max(m[t], tile_max)
                     c = math.exp(m[t] - m_new)  # exp(-inf) = 0 on the first tile
@@ -243,7 +264,8 @@ def _make(bshd: bool):
                         w = math.exp(mx - top)
                         num += w * part_acc[b, h, i, sp, d]
                         total += w * part_stats[b, h, i, sp, 1]
-                out[b, h, i, d] = num / total
+                # nothing finite anywhere: NaN (0 / 0 on a GPU; the simulator would raise)
+                out[b, h, i, d] = num / total if total != 0.0 else math.nan
             if t == 0:
                 counters[task, chunk] = 0  # ready for the next launch
 

@@ -32,8 +32,8 @@ from numpy.typing import ArrayLike, NDArray
 from .._safetensors import SafetensorsError, load_file
 from .._units import human_bytes
 from ..attention import attention
-from ..backends import DEVICES
-from ..cache import DEFAULT_MAX_SEQ_LEN, KVCache
+from ..backends import DEVICES, to_host
+from ..cache import DEFAULT_MAX_SEQ_LEN
 from ..errors import (
     ArgumentTypeError,
     CacheOverflowError,
@@ -42,10 +42,11 @@ from ..errors import (
     ShapeMismatchError,
 )
 from ..kernels.cpu_model import rms_norm, rope, silu_mul
+from ..kvcache import KVCache
 from ..rotating import RotatingKVCache
 from .config import _F32, DEFAULT_CONFIG, LlamaConfig, _eos_ids, _inv_freq, _real
 
-__all__ = ["Llama", "LlamaConfig"]
+__all__ = ["Llama", "LlamaConfig", "default_weights"]
 
 # -- attention -----------------------------------------------------------------------
 
@@ -151,6 +152,18 @@ def _float32_weights(
     return out
 
 
+def default_weights() -> dict[str, NDArray[np.float32]]:
+    """The weights of :meth:`Llama.default` (Hugging Face names -> float32 arrays), a
+    fresh copy on every call: what ``Llama(DEFAULT_CONFIG, default_weights())`` builds.
+
+    >>> from nbkv.models import default_weights
+    >>> w = default_weights()
+    >>> w["model.embed_tokens.weight"].shape
+    (256, 256)
+    """
+    return _seeded_weights(DEFAULT_CONFIG)
+
+
 def _seeded_weights(c: LlamaConfig, seed: int = 0) -> dict[str, NDArray[np.float32]]:
     """Random weights whose activations stay of order one through every layer.
 
@@ -252,7 +265,7 @@ class Llama:
         """The built-in model: :data:`DEFAULT_CONFIG` (byte vocabulary, 4 layers of
         hidden 256, 8 query / 2 KV heads of head_dim 32) with weights seeded by
         ``np.random.default_rng(0)``. Untrained, but deterministic and varied."""
-        return cls(DEFAULT_CONFIG, _seeded_weights(DEFAULT_CONFIG), device=device)
+        return cls(DEFAULT_CONFIG, default_weights(), device=device)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, device: str = "cpu") -> Llama:
@@ -361,8 +374,10 @@ class Llama:
     def forward(self, token_ids: ArrayLike, cache: KVCache) -> NDArray[np.float32]:
         """Logits of ``token_ids``, the next positions after what ``cache`` holds.
 
-        Rotary positions start at ``cache.seq_len``; every layer's new K/V is appended
-        to ``cache`` and the queries attend causally over all that layer holds.
+        Rotary positions start at ``cache.offset`` (the tokens the cache has seen:
+        ``seq_len`` for a LayerKVCache, more for a ring that has wrapped); every layer's
+        new K/V is appended to ``cache`` and the queries attend causally over all that
+        layer holds (under the config's ``sliding_window``, if any).
 
         Parameters
         ----------
@@ -381,6 +396,9 @@ class Llama:
             of another shape, batch or layer count.
         CacheOverflowError
             Fewer than ``n`` free positions; nothing is written.
+
+        Every layer of ``cache`` is checked before any is written, and a forward pass
+        that fails part-way (out of memory, an interrupt) puts every layer back as it was.
         """
         ids = self._token_ids(token_ids, "token_ids")
         self._check_cache(cache, ids.shape[0], ids.shape[1], "token_ids")
@@ -404,7 +422,7 @@ class Llama:
         ids = self._token_ids(token_ids, "token_ids")
         if window is None:
             window = self._config.sliding_window
-        elif sinks:
+        if window is not None and sinks:
             window -= sinks  # the ring: the last window - sinks positions, beside the sinks
 
         def attend(i: int, q, k, v):
@@ -414,15 +432,21 @@ class Llama:
 
     def _forward_cached(self, ids: np.ndarray, cache: KVCache) -> NDArray[np.float32]:
         window = self._config.sliding_window
+        undo = []  # how to put back each layer written so far, should a later step fail
 
         def attend(i: int, q, k, v):
             layer = cache[i]
-            layer.append(k, v)
-            o = attention(q, layer, window=window)
+            staged = layer.stage_append(layer.prepare_append(k, v))
+            undo.append(layer.commit_append(staged, undoable=True))
             # a CUDA cache answers with a device array: one explicit device->host copy
-            return o if isinstance(o, np.ndarray) else o.copy_to_host()
+            return to_host(attention(q, layer, window=window))
 
-        return self._run(ids, cache.offset, attend, cache.layout)
+        try:
+            return self._run(ids, cache.offset, attend, cache.layout)
+        except BaseException:
+            for put_back in reversed(undo):
+                put_back()
+            raise
 
     def _run(self, ids: np.ndarray, pos: int, attend: Callable, layout: str) -> np.ndarray:
         """The decoder over ids [batch, n] at positions [pos, pos + n).
@@ -623,23 +647,34 @@ class Llama:
                 f"cache layers hold different seq_len ({lengths}), as after an "
                 "interrupted forward pass; clear() the cache"
             )
-        first = cache[0]
-        for field, got, want in (
-            ("batch", first.batch, batch),
-            ("num_kv_heads", first.num_kv_heads, c.num_key_value_heads),
-            ("head_dim", first.head_dim, c.head_dim),
-        ):
-            if got is not None and got != want:
-                source = "token_ids" if field == "batch" else "the model"
-                raise ShapeMismatchError(f"cache holds {field} {got} but {source} has {want}")
-        if first.dtype is not None and first.dtype != _F32:
-            raise DTypeMismatchError(f"cache must hold float32 (the model's), got {first.dtype}")
-        held, capacity = cache.seq_len, cache.max_seq_len
-        if held + n > capacity and not isinstance(first, RotatingKVCache):
+        for i, layer in enumerate(cache):  # every layer, before anything is written
+            for field, got, want in (
+                ("batch", layer.batch, batch),
+                ("num_kv_heads", layer.num_kv_heads, c.num_key_value_heads),
+                ("head_dim", layer.head_dim, c.head_dim),
+            ):
+                if got is not None and got != want:
+                    source = "token_ids" if field == "batch" else "the model"
+                    raise ShapeMismatchError(
+                        f"cache layer {i} holds {field} {got} but {source} has {want}"
+                    )
+            if layer.dtype is not None and layer.dtype != _F32:
+                raise DTypeMismatchError(
+                    f"cache layer {i} must hold float32 (the model's), got {layer.dtype}"
+                )
+            if layer.layout != cache.layout:
+                raise InvalidArgumentError(
+                    f"cache layer {i} has layout {layer.layout!r} but layer 0 has "
+                    f"{cache.layout!r}; a model's cache holds one layout"
+                )
+        try:
+            cache.check_room(n)
+        except CacheOverflowError as err:
+            held, capacity = cache.seq_len, cache.max_seq_len
             raise CacheOverflowError(
                 f"{what} need {n} positions but the cache holds {held} of {capacity} and "
-                f"{capacity - held} are free; build it with max_seq_len >= {held + n}"
-            )
+                f"{capacity - held} are free; build it with max_seq_len >= {held + n} ({err})"
+            ) from None
 
 
 def _pick(

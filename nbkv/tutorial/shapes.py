@@ -26,8 +26,8 @@ from numpy.typing import ArrayLike, NDArray
 from .._validate import positive_int
 from ..dtypes import resolve_dtype
 from ..errors import InvalidArgumentError, ShapeMismatchError
-from ..models.config import DEFAULT_CONFIG, LlamaConfig
-from ..models.llama import _seeded_weights
+from ..models.config import LlamaConfig
+from ..models.llama import default_weights as _model_weights
 
 __all__ = [
     "MODEL_SHAPES",
@@ -191,4 +191,4 @@ def default_weights() -> dict[str, NDArray[np.float32]]:
     >>> w["model.layers.0.self_attn.k_proj.weight"].shape  # [kv_heads * head_dim, hidden]
     (64, 256)
     """
-    return _seeded_weights(DEFAULT_CONFIG)
+    return _model_weights()

@@ -1,0 +1,473 @@
+"""The nbkv cache file: a safetensors file written and read here, knowing no cache class.
+
+It stores a :class:`~nbkv.protocol.CacheState` (what a cache exports) and reads back a
+:class:`~nbkv.protocol.LoadedState` (what a cache imports); which class builds a cache
+from it is for :mod:`nbkv.persist` to say. Any safetensors reader opens the file.
+
+Layout of a file (format version 2)
+-----------------------------------
+- tensors ``layers.{i}.k`` and ``layers.{i}.v`` for every allocated layer ``i``: the
+  ``seq_len`` positions it holds, in position order, in the layer's layout and dtype
+  (bfloat16 as safetensors' ``BF16``); an allocated layer holding nothing has tensors with
+  a zero-length seq axis, a layer never allocated has none;
+- ``__metadata__`` (strings only, as safetensors requires):
+
+  ==============  ==========================================================================
+  format          ``"nbkv-cache"``
+  format_version  ``"2"``; a reader refuses any version it does not know
+  cache           JSON: ``{"type": <cache type>, "layers": [<layer meta>, ...]}``; each
+                  layer meta has ``type``, ``layout``, ``dtype`` (``""`` while unknown),
+                  ``batch``, ``num_kv_heads``, ``head_dim`` (``null`` while unknown),
+                  ``seq_len`` (rows held), ``allocated``, and its type's own fields
+                  (see :mod:`nbkv.protocol`)
+  crc32           JSON: tensor name -> ``zlib.crc32`` of its bytes, 8 hex digits
+  header_crc32    ``zlib.crc32`` of the whole header (the JSON after the 8-byte length,
+                  padding included) with this field's value set to ``"00000000"``
+  nbkv_version    the writer's version (informational)
+  ==============  ==========================================================================
+
+Reads are bounded and check everything before anything is allocated for the data: the
+header's size (at most :data:`MAX_HEADER_BYTES`), nesting, integers, its checksum, the
+structure, every common layer field, the name, dtype and shape of every tensor against
+them, and that the sizes claimed match the bytes the file holds; then each tensor's
+CRC32 as it is read. A file that fails any check raises :class:`~nbkv.CacheFormatError`.
+A read opens the file once and reads that one snapshot, so a concurrent atomic save of
+the same path is seen whole or not at all.
+
+Writes are atomic: a temporary file in the target's folder, flushed and fsync'ed, then
+renamed over the target. A failed write removes its temporary file; a write also removes
+temporary files of the same target left by processes of this machine that have died.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import uuid
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from . import _safetensors as _st
+from . import layout as _layout
+from .errors import ArgumentTypeError, CacheFormatError
+from .protocol import CacheState, LoadedLayer, LoadedState
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MAX_HEADER_BYTES",
+    "MetaReader",
+    "write_file",
+    "read_file",
+    "meta_dtype",
+    "in_layout",
+    "file_path",
+]
+
+FORMAT = "nbkv-cache"
+FORMAT_VERSION = "2"
+MAX_HEADER_BYTES = 16 * 2**20
+MAX_SIZE = 2**31 - 1  # any size or count a file may claim
+MAX_LAYERS = 100_000
+# the storage dtypes and their safetensors names
+CODES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16"}
+_SIZES = ("batch", "num_kv_heads", "head_dim")
+_PLACEHOLDER = "00000000"  # same width as a real CRC: the header is rewritten in place
+_TMP = ".nbkv-tmp"
+
+
+def file_path(path: Any, name: str = "path") -> str:
+    """``path`` as a str if it is a str or os.PathLike, else ArgumentTypeError."""
+    if isinstance(path, (str, os.PathLike)):
+        value = os.fspath(path)
+        if isinstance(value, str) and value:
+            return value
+    raise ArgumentTypeError(
+        f"{name} must be a file path (a non-empty str or os.PathLike), got "
+        f"{type(path).__name__} {path!r:.80}"
+    )
+
+
+def tensor_name(layer: int, which: str) -> str:
+    return f"layers.{layer}.{which}"
+
+
+def meta_dtype(meta: dict) -> np.dtype | None:
+    """The dtype a checked layer meta names (None while unknown)."""
+    name = meta["dtype"]
+    return None if not name else np.dtype(_st.DTYPES[CODES[name]])
+
+
+def in_layout(arr: np.ndarray, src: str, dst: str) -> np.ndarray:
+    """``arr`` in layout ``src`` seen in layout ``dst`` (a transposed view, no copy)."""
+    return arr if src == dst else arr.transpose(0, 2, 1, 3)
+
+
+class MetaReader:
+    """Typed reads of a layer meta that raise CacheFormatError naming the field."""
+
+    def __init__(self, meta: dict, where: str) -> None:
+        self.meta, self.where = meta, where
+
+    def fail(self, message: str) -> CacheFormatError:
+        return CacheFormatError(f"{self.where}: {message}")
+
+    def get(self, key: str) -> Any:
+        if key not in self.meta:
+            raise self.fail(f"the metadata has no {key!r} field; the file is malformed")
+        return self.meta[key]
+
+    def int(self, key: str, minimum: int = 0, maximum: int = MAX_SIZE) -> int:
+        value = self.get(key)
+        if type(value) is not int or not minimum <= value <= maximum:
+            raise self.fail(
+                f"metadata {key} must be an int in [{minimum}, {maximum}], got {value!r:.40}"
+            )
+        return value
+
+    def optional_int(self, key: str, minimum: int = 1) -> int | None:
+        return None if self.get(key) is None else self.int(key, minimum)
+
+    def choice(self, key: str, options: tuple) -> Any:
+        value = self.get(key)
+        if not isinstance(value, (str, bool)) or value not in options:
+            raise self.fail(f"metadata {key} must be one of {options}, got {value!r:.40}")
+        return value
+
+
+# -- writing -------------------------------------------------------------------------
+
+
+def _pieces(a: np.ndarray) -> Iterator[memoryview]:
+    """The bytes of ``a`` in C order, as contiguous pieces (no copy of a strided view).
+
+    A view of the positions held is contiguous below some axis ([seq, head_dim] slabs
+    for "bhsd"), so this yields one piece per slab rather than copying the view.
+    """
+    if a.size == 0:
+        return
+    if a.flags.c_contiguous:
+        yield memoryview(a.reshape(-1).view(np.uint8))
+    elif a.ndim <= 1:
+        yield memoryview(np.ascontiguousarray(a).view(np.uint8))
+    else:
+        for sub in a:
+            yield from _pieces(sub)
+
+
+def _write(f, piece: memoryview) -> None:
+    """Write one piece of tensor data (a seam for tests that simulate a crash)."""
+    f.write(piece)
+
+
+def _layer_shape(meta: dict) -> tuple[int, int, int, int]:
+    return _layout.buffer_shape(
+        meta["layout"], meta["batch"], meta["num_kv_heads"], meta["seq_len"], meta["head_dim"]
+    )
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _header(specs, metadata: dict, crcs: dict) -> bytes:
+    """The header with ``crcs`` in and its own checksum computed and filled in."""
+    metadata = {**metadata, "crc32": _compact(crcs), "header_crc32": _PLACEHOLDER}
+    head = _st.header_bytes(specs, metadata)
+    metadata["header_crc32"] = f"{zlib.crc32(head[8:]):08x}"
+    final = _st.header_bytes(specs, metadata)
+    if len(final) != len(head):  # cannot happen: every CRC is 8 hex digits
+        raise RuntimeError("nbkv.save: the header changed length")
+    return final
+
+
+def _nbkv_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nbkv")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
+
+
+def _remove_stale(folder: str, base: str) -> None:
+    """Remove temporary files of ``base`` that dead processes of this host left behind."""
+    prefix, tag = f".{base}.", _host_tag()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(_TMP)):
+            continue
+        parts = name[len(prefix) : -len(_TMP)].split(".")
+        if len(parts) != 3 or parts[0] != tag or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+            continue  # alive (or another process has its pid): leave it
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError, OSError):
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+        except OSError:
+            pass
+
+
+def write_file(path: Any, state: CacheState) -> None:
+    """Write ``state`` to ``path`` atomically (see the module docstring)."""
+    target = file_path(path)
+    metas = [layer.meta for layer in state.layers]
+    specs = [
+        (tensor_name(i, w), CODES[meta["dtype"]], _layer_shape(meta))
+        for i, meta in enumerate(metas)
+        if meta["allocated"]
+        for w in "kv"
+    ]
+    metadata = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "cache": _compact({"type": state.type, "layers": metas}),
+        "nbkv_version": _nbkv_version(),
+    }
+    crcs = {name: _PLACEHOLDER for name, _, _ in specs}
+    head = _header(specs, metadata, crcs)
+
+    folder, base = os.path.split(os.path.abspath(target))
+    _remove_stale(folder, base)
+    tmp = os.path.join(folder, f".{base}.{_host_tag()}.{os.getpid()}.{uuid.uuid4().hex}{_TMP}")
+    # O_EXCL: never write through a name someone else made; mode 0o666 lets umask decide
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with open(fd, "wb") as f:
+            f.write(head)  # with placeholder CRCs, rewritten below at the same length
+            for i, layer in enumerate(state.layers):
+                if not layer.meta["allocated"]:
+                    continue
+                held = layer.held()
+                for which, arr in zip("kv", held, strict=True):
+                    name = tensor_name(i, which)
+                    if tuple(arr.shape) != _layer_shape(layer.meta):
+                        raise RuntimeError(
+                            f"nbkv.save: {name} has shape {arr.shape}, not its meta's"
+                        )
+                    crc = 0
+                    for piece in _pieces(arr):
+                        crc = zlib.crc32(piece, crc)
+                        _write(f, piece)
+                    crcs[name] = f"{crc:08x}"
+            f.seek(0)
+            f.write(_header(specs, metadata, crcs))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_folder(folder)
+
+
+def _fsync_folder(folder: str) -> None:
+    """Make the rename durable too (POSIX); a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# -- reading -------------------------------------------------------------------------
+
+
+def _check_header_crc(raw: bytes, metadata: dict, where: str) -> None:
+    value = metadata.get("header_crc32")
+    if not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{8}", value)):
+        raise CacheFormatError(f"{where}: the metadata has no valid header_crc32 field")
+    field = f'"header_crc32":"{value}"'.encode()
+    if raw.count(field) != 1:
+        raise CacheFormatError(
+            f"{where}: the header's header_crc32 field is not where nbkv puts it"
+        )
+    got = zlib.crc32(raw.replace(field, f'"header_crc32":"{_PLACEHOLDER}"'.encode()))
+    if got != int(value, 16):
+        raise CacheFormatError(
+            f"{where}: the header is corrupted: its CRC32 is {got:08x} but the file records "
+            f"{value} (the metadata or the tensor table was changed)"
+        )
+
+
+def _check_layer_meta(meta: Any, i: int, where: str) -> dict:
+    """The fields every layer meta has, checked; the type's own are its class's to check."""
+    here = f"{where} (layer {i})"
+    if not isinstance(meta, dict):
+        raise CacheFormatError(f"{here}: a layer's metadata must be a JSON object")
+    m = MetaReader(meta, here)
+    kind = m.get("type")
+    if not isinstance(kind, str) or not 0 < len(kind) <= 64:
+        raise m.fail(f"metadata type must be a cache type name, got {kind!r:.40}")
+    m.choice("layout", _layout.LAYOUTS)
+    dtype = m.choice("dtype", ("", *CODES))
+    if dtype and _st.DTYPES[CODES[dtype]] is None:
+        raise m.fail("the cache holds bfloat16, which needs ml_dtypes: pip install 'nbkv[bf16]'")
+    sizes = [m.optional_int(field) for field in _SIZES]
+    m.int("seq_len")
+    allocated = m.choice("allocated", (True, False))
+    if allocated and (not dtype or None in sizes):
+        raise m.fail("the layer is allocated, but its dtype or sizes are missing")
+    if not allocated and meta["seq_len"]:
+        raise m.fail(f"the layer is not allocated but holds seq_len {meta['seq_len']}")
+    return meta
+
+
+def _parse(raw: bytes, data_len: int, where: str) -> tuple[str, list[dict], dict, dict]:
+    """Check a header: ``(cache type, layer metas, tensors, crcs)``."""
+    header = _st.loads(raw, where, CacheFormatError)
+    try:
+        tensors, metadata = _st.check_header(header, data_len, where)
+    except _st.SafetensorsError as err:
+        raise CacheFormatError(str(err)) from None
+    metadata = metadata or {}
+    if metadata.get("format") != FORMAT:
+        raise CacheFormatError(
+            f"{where}: not an nbkv cache file (metadata format is "
+            f"{metadata.get('format')!r:.40}, expected {FORMAT!r})"
+        )
+    version = metadata.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CacheFormatError(
+            f"{where}: format_version {version!r:.20}; this nbkv reads version {FORMAT_VERSION} "
+            "(a file of version 1, from before the cache protocol, must be saved again)"
+        )
+    _check_header_crc(raw, metadata, where)
+    for field in ("cache", "crc32"):
+        if field not in metadata:
+            raise CacheFormatError(f"{where}: the metadata has no {field!r} field")
+    cache = _st.loads(metadata["cache"].encode(), f"{where} (metadata cache)", CacheFormatError)
+    if not isinstance(cache, dict) or not isinstance(cache.get("type"), str):
+        raise CacheFormatError(f"{where}: metadata cache must be an object with a type")
+    layers = cache.get("layers")
+    if not isinstance(layers, list) or not 0 < len(layers) <= MAX_LAYERS:
+        raise CacheFormatError(f"{where}: metadata cache must hold 1 to {MAX_LAYERS} layers")
+    metas = [_check_layer_meta(meta, i, where) for i, meta in enumerate(layers)]
+    crc = _st.loads(metadata["crc32"].encode(), f"{where} (metadata crc32)", CacheFormatError)
+    if not isinstance(crc, dict) or not all(
+        isinstance(v, str) and re.fullmatch(r"[0-9a-f]{8}", v) for v in crc.values()
+    ):
+        raise CacheFormatError(f"{where}: metadata crc32 must map tensor names to 8 hex digits")
+    return cache["type"], metas, tensors, crc
+
+
+def _expected(metas: list[dict], tensors: dict, crc: dict, where: str) -> dict:
+    """The tensors the metas describe, checked against those the file holds."""
+    expected = {}
+    for i, meta in enumerate(metas):
+        if meta["allocated"]:
+            dtype = meta_dtype(meta)
+            for which in "kv":
+                expected[tensor_name(i, which)] = (dtype, _layer_shape(meta))
+    missing = sorted(expected.keys() - tensors.keys())
+    extra = sorted(tensors.keys() - expected.keys())
+    if missing or extra:
+        raise CacheFormatError(
+            f"{where}: the tensors do not match the metadata: missing {missing[:4]}, "
+            f"unexpected {extra[:4]}"
+        )
+    for name, (dtype, shape) in expected.items():
+        got_dtype, got_shape = tensors[name][:2]
+        if got_dtype != dtype or got_shape != shape:
+            raise CacheFormatError(
+                f"{where}: tensor {name!r} is {got_dtype} of shape {got_shape}, but the "
+                f"metadata says {dtype} of shape {shape}"
+            )
+    if crc.keys() != expected.keys():
+        raise CacheFormatError(
+            f"{where}: metadata crc32 names {sorted(crc)[:4]}, but the file's tensors are "
+            f"{sorted(expected)[:4]}"
+        )
+    return expected
+
+
+def _read_exactly(f, n: int, where: str) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = f.readinto(view[got:])
+        if not k:
+            raise CacheFormatError(
+                f"{where}: the file ended {n - got} bytes early; is it truncated?"
+            )
+        got += k
+    return buf
+
+
+def read_file(path: Any) -> LoadedState:
+    """Read and check a cache file: a :class:`~nbkv.protocol.LoadedState` (host arrays).
+
+    Raises
+    ------
+    ArgumentTypeError
+        ``path`` is not a path.
+    FileNotFoundError, OSError
+        No file, or one that cannot be read.
+    CacheFormatError
+        Anything wrong with the file (see the module docstring).
+    """
+    where = file_path(path)
+    with open(where, "rb", buffering=0) as f:  # one open: one snapshot of the file
+        total = os.fstat(f.fileno()).st_size
+        if total < 8:
+            raise CacheFormatError(
+                f"{where}: {total} bytes is too short for a cache file; is it truncated?"
+            )
+        n = int.from_bytes(_read_exactly(f, 8, where), "little")
+        if n > MAX_HEADER_BYTES:
+            raise CacheFormatError(
+                f"{where}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit; "
+                "this is not an nbkv cache file"
+            )
+        if 8 + n > total:
+            raise CacheFormatError(
+                f"{where}: header length {n} runs past the end of the {total}-byte file; "
+                "is it truncated?"
+            )
+        raw = bytes(_read_exactly(f, n, where))
+        data_len = total - 8 - n
+        kind, metas, tensors, crc = _parse(raw, data_len, where)
+        expected = _expected(metas, tensors, crc, where)
+        # the tensors tile the data exactly (checked above), so this is the file's size
+        data = _read_exactly(f, data_len, where)
+    arrays = {}
+    for name in expected:
+        dtype, shape, begin, end = tensors[name]
+        got = zlib.crc32(memoryview(data)[begin:end])
+        if got != int(crc[name], 16):
+            raise CacheFormatError(
+                f"{where}: tensor {name!r} is corrupted: its CRC32 is {got:08x} but the file "
+                f"records {crc[name]}"
+            )
+        arrays[name] = np.frombuffer(data, np.uint8, end - begin, begin).view(dtype).reshape(shape)
+    layers = [
+        LoadedLayer(meta, arrays.get(tensor_name(i, "k")), arrays.get(tensor_name(i, "v")))
+        for i, meta in enumerate(metas)
+    ]
+    return LoadedState(kind, layers, where)

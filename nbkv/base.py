@@ -1,0 +1,702 @@
+"""BaseKVCache: what every layer cache shares, and its side of the cache protocol.
+
+Sizes, dtype, device and layout; the buffers; the boundary checks; the protocol's
+``prepare_append`` / ``stage_append`` / ``commit_append``, ``attention_view`` and state
+export/import (see :mod:`nbkv.protocol`); and the operations that move whole batch rows
+(``reorder``, ``select``, ``copy``). :class:`nbkv.LayerKVCache` (positions in order, a
+capacity that may grow) and :class:`nbkv.RotatingKVCache` (a ring with sinks) are its
+two siblings; each overrides the few hooks where they differ.
+
+The classes validate once at the boundary, own their counters as plain ints and call
+kernels through a backend bound to their layout. Every check, and every allocation, runs
+before anything is written, so a call that raises leaves the cache exactly as it was.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _format
+from . import layout as _layout
+from ._gather import SCRATCH, gather_schedule
+from ._units import human_bytes
+from ._validate import batch_indices, optional_positive_int, positive_int
+from .backends import get_backend
+from .dtypes import check_supported, resolve_dtype
+from .errors import (
+    CacheFormatError,
+    CacheOverflowError,
+    DTypeMismatchError,
+    InvalidArgumentError,
+    ShapeMismatchError,
+)
+from .protocol import (
+    AppendPlan,
+    AttentionView,
+    CacheState,
+    LayerState,
+    LoadedLayer,
+    LoadedState,
+    StagedAppend,
+    cache_type_of,
+)
+
+__all__ = ["BaseKVCache"]
+
+AXES = {
+    "bhsd": "[batch, num_kv_heads, seq, head_dim]",
+    "bshd": "[batch, seq, num_kv_heads, head_dim]",
+}
+_SIZES = ("batch", "num_kv_heads", "head_dim")
+
+
+class Storage(NamedTuple):
+    """A pair of buffers (user and kernel form) and what they were made for."""
+
+    k: Any
+    v: Any
+    kk: Any
+    vk: Any
+    sizes: tuple  # (batch, num_kv_heads, head_dim, dtype)
+    capacity: int
+
+
+class BaseKVCache:
+    """The base of every layer cache: use ``isinstance(x, nbkv.BaseKVCache)`` to accept any.
+
+    Not built directly: see :class:`nbkv.LayerKVCache` and :class:`nbkv.RotatingKVCache`.
+    Buffers have shape ``[batch, num_kv_heads, capacity, head_dim]`` (layout "bhsd") or
+    ``[batch, capacity, num_kv_heads, head_dim]`` ("bshd").
+    """
+
+    state_type: str  # set by nbkv.protocol.register_cache_type
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        batch: int | None,
+        num_kv_heads: int | None,
+        head_dim: int | None,
+        dtype: Any,
+        device: str,
+        layout: str,
+    ) -> None:
+        self._max_seq_len = positive_int(capacity, "max_seq_len")
+        self._layout = _layout.check_layout(layout)
+        configured = (
+            optional_positive_int(batch, "batch"),
+            optional_positive_int(num_kv_heads, "num_kv_heads"),
+            optional_positive_int(head_dim, "head_dim"),
+            None if dtype is None else resolve_dtype(dtype),
+        )
+        self._backend = get_backend(device, self._layout)
+        # what the constructor fixed; deallocate() returns to it
+        self._configured = configured
+        self._release()
+        if all(c is not None for c in configured):
+            self._install(self._new_storage(configured, self._max_seq_len))
+
+    # -- storage ---------------------------------------------------------------------
+
+    def _release(self) -> None:
+        """Drop the buffers and forget every position; sizes fall back to the constructor's."""
+        self._batch, self._num_kv_heads, self._head_dim, self._dtype = self._configured
+        self._k = self._v = None  # buffers as users see them
+        self._kk = self._vk = None  # the same memory in kernel form
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self._seq_len = 0
+
+    def _new_storage(self, sizes: tuple, capacity: int) -> Storage:
+        """New buffers for ``sizes`` and ``capacity``, not yet the cache's (may raise)."""
+        batch, heads, dim, dtype = sizes
+        nbytes = 2 * batch * heads * capacity * dim * dtype.itemsize
+        if nbytes > sys.maxsize:
+            raise InvalidArgumentError(
+                f"buffers of batch {batch}, num_kv_heads {heads}, {capacity} positions and "
+                f"head_dim {dim} would need {nbytes} bytes, more than this machine can address"
+            )
+        shape = _layout.buffer_shape(self._layout, batch, heads, capacity, dim)
+        be = self._backend
+        k, v = be.empty(shape, dtype), be.empty(shape, dtype)
+        return Storage(k, v, be.kernel_view(k), be.kernel_view(v), sizes, capacity)
+
+    def _install(self, st: Storage) -> None:
+        """Make ``st`` the cache's buffers (nothing can fail here)."""
+        self._k, self._v, self._kk, self._vk = st.k, st.v, st.kk, st.vk
+        self._batch, self._num_kv_heads, self._head_dim, self._dtype = st.sizes
+        self._max_seq_len = st.capacity
+        self._storage_changed()
+
+    def _current_storage(self) -> Storage | None:
+        if self._k is None:
+            return None
+        sizes = (self._batch, self._num_kv_heads, self._head_dim, self._dtype)
+        return Storage(self._k, self._v, self._kk, self._vk, sizes, self._max_seq_len)
+
+    def _storage_changed(self) -> None:
+        """Hook: the buffers were replaced (a subclass drops what pointed at the old ones)."""
+
+    # -- properties ------------------------------------------------------------------
+
+    @property
+    def seq_len(self) -> int:
+        """Positions held."""
+        return self._seq_len
+
+    @property
+    def max_seq_len(self) -> int:
+        """Capacity in positions (rows the buffers hold)."""
+        return self._max_seq_len
+
+    @property
+    def offset(self) -> int:
+        """Tokens seen: the position of the next token (for its rotary embedding)."""
+        return self._seq_len
+
+    @property
+    def is_empty(self) -> bool:
+        return self._seq_len == 0
+
+    @property
+    def is_allocated(self) -> bool:
+        return self._k is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the K and V buffers (0 when not allocated)."""
+        return 0 if self._k is None else int(self._k.nbytes + self._v.nbytes)
+
+    @property
+    def dtype(self) -> np.dtype | None:
+        """The stored dtype, once known."""
+        return self._dtype
+
+    @property
+    def device(self) -> str:
+        return self._backend.name
+
+    @property
+    def layout(self) -> str:
+        return self._layout
+
+    @property
+    def batch(self) -> int | None:
+        return self._batch
+
+    @property
+    def num_kv_heads(self) -> int | None:
+        return self._num_kv_heads
+
+    @property
+    def head_dim(self) -> int | None:
+        return self._head_dim
+
+    @property
+    def shape(self) -> tuple[int, int, int, int] | None:
+        """Shape of each buffer (capacity included), or None when not allocated."""
+        return None if self._k is None else tuple(self._k.shape)
+
+    def __len__(self) -> int:
+        return self._seq_len
+
+    def __repr__(self) -> str:
+        shape = "unallocated" if self._k is None else str(tuple(self._k.shape))
+        return (
+            f"{type(self).__name__}(shape={shape}, dtype={self._dtype}, "
+            f"device={self.device!r}, layout={self._layout!r}, "
+            f"seq_len={self._seq_len}/{self._max_seq_len}, "
+            f"nbytes={self.nbytes} ({human_bytes(self.nbytes)}){self._repr_extra()})"
+        )
+
+    def _repr_extra(self) -> str:
+        return ""
+
+    def to_host(self, x: Any) -> np.ndarray:
+        """A host array of ``x`` (a view this cache returned): the one device->host copy
+        on CUDA (bfloat16 seen as bfloat16), ``x`` itself on the CPU."""
+        return self._backend.to_host(x, self._dtype)
+
+    # -- validation ------------------------------------------------------------------
+
+    def _adopt(self, x: Any, name: str):
+        """``x`` as an array of this cache's device, 4-D, of a dtype that fits."""
+        arr = self._backend.adopt(x, name)
+        if arr.ndim != 4:
+            raise ShapeMismatchError(
+                f"{name} must be 4-D {AXES[self._layout]} (layout {self._layout!r}), "
+                f"got a {arr.ndim}-D array of shape {tuple(arr.shape)}"
+            )
+        return arr
+
+    def _dtype_of(self, arr: Any, name: str) -> np.dtype:
+        """The logical dtype of an adopted array, checked against the cache's."""
+        dtype = np.dtype(arr.dtype)
+        want = self._dtype
+        if want is not None and dtype == want:
+            return dtype
+        if (
+            want is not None
+            and self._backend.name == "cuda"
+            and dtype == np.uint16
+            and want.itemsize == 2
+            and want.kind != "f"
+            and not isinstance(arr, np.ndarray)
+        ):
+            # a device array of bfloat16 bit patterns, as the CUDA views give them
+            return want
+        if want is None:
+            return check_supported(dtype, name)
+        raise DTypeMismatchError(
+            f"{name} has dtype {dtype} but this cache holds {want}; nbkv never casts: "
+            f"convert it first ({name}.astype(...))"
+        )
+
+    def _check_fits(self, name: str, arr: Any, d: _layout.Dims) -> None:
+        """Batch, heads and head_dim of ``arr`` against the buffers (or the constructor)."""
+        for field, want in zip(
+            _SIZES, (self._batch, self._num_kv_heads, self._head_dim), strict=True
+        ):
+            got = getattr(d, field)
+            if got < 1:
+                raise ShapeMismatchError(
+                    f"{name} has shape {tuple(arr.shape)}: {field} must be at least 1"
+                )
+            if want is not None and got != want:
+                raise ShapeMismatchError(
+                    f"{name} has shape {tuple(arr.shape)} but this cache holds {field} "
+                    f"{want} (layout {self._layout!r}: {AXES[self._layout]})"
+                )
+
+    def _check_pair(self, k: Any, v: Any):
+        k = self._adopt(k, "k")
+        v = self._adopt(v, "v")
+        kd = _layout.dims(k.shape, self._layout)
+        vd = _layout.dims(v.shape, self._layout)
+        if kd != vd:
+            field = next(f for f in _layout.Dims._fields if getattr(kd, f) != getattr(vd, f))
+            raise ShapeMismatchError(
+                f"k and v disagree in {field}: k has shape {tuple(k.shape)}, "
+                f"v has shape {tuple(v.shape)} (layout {self._layout!r})"
+            )
+        kt, vt = np.dtype(k.dtype), np.dtype(v.dtype)
+        if kt != vt:
+            raise DTypeMismatchError(f"k has dtype {kt} but v has dtype {vt}")
+        dtype = self._dtype_of(k, "k")
+        self._check_fits("k", k, kd)
+        return k, v, kd, dtype
+
+    def _check_room(self, n: int, what: str) -> None:
+        """Hook: raise CacheOverflowError unless ``n`` more positions fit."""
+        free = self._max_seq_len - self._seq_len
+        if n > free:
+            raise CacheOverflowError(
+                f"{what} of {n} positions does not fit: the cache holds {self._seq_len} of "
+                f"{self._max_seq_len} positions and {free} are free for it; build it "
+                f"with max_seq_len >= {self._seq_len + n}"
+            )
+
+    # -- the protocol: appending (see nbkv.protocol) ---------------------------------
+
+    def check_room(self, n: int) -> None:
+        """Raise :class:`~nbkv.CacheOverflowError` unless ``n`` more positions would fit."""
+        self._check_room(n, "append")
+
+    def prepare_append(self, k: Any, v: Any) -> AppendPlan:
+        """Every check ``append(k, v)`` makes; changes nothing."""
+        k, v, d, dtype = self._check_pair(k, v)
+        self._check_room(d.seq, "append")
+        return AppendPlan(k, v, d, dtype, self.offset, self._held_after(d.seq))
+
+    def _held_after(self, n: int) -> int:
+        """Hook: positions held after an append of ``n``."""
+        return self._seq_len + n
+
+    def _storage_for(self, plan: AppendPlan) -> Storage | None:
+        """Hook: new buffers the append needs (None: the current ones serve)."""
+        if self._k is not None or plan.dims.seq == 0:
+            return None
+        d = plan.dims
+        return self._new_storage(
+            (d.batch, d.num_kv_heads, d.head_dim, plan.dtype), self._max_seq_len
+        )
+
+    def stage_append(self, plan: AppendPlan) -> StagedAppend:
+        """Allocate what the append needs (and copy new inputs to the device), changing
+        nothing; ``fused`` gives the buffers and slot a fused kernel writes."""
+        storage = self._storage_for(plan)
+        be = self._backend
+        k, v = be.to_device(plan.k), be.to_device(plan.v)
+        if storage is not None:
+            fused = (storage.k, storage.v, self._seq_len)
+        else:
+            fused = None if self._k is None else (self._k, self._v, self._seq_len)
+        return StagedAppend(plan, k, v, fused, storage)
+
+    def commit_append(
+        self, staged: StagedAppend, *, written: bool = False, undoable: bool = False
+    ) -> Callable[[], None] | None:
+        """Write the staged positions after those held (unless a fused kernel has,
+        ``written=True``) and hold them. With ``undoable``, return what puts it back."""
+        n = staged.plan.dims.seq
+        held = self._seq_len
+        old = self._current_storage() if undoable and staged.storage is not None else None
+        if staged.storage is not None:
+            self._install(staged.storage)
+        if n and not written:
+            be = self._backend
+            be.write_kv(
+                be.kernel_view(staged.k), be.kernel_view(staged.v), held, self._kk, self._vk
+            )
+        self._seq_len = held + n
+        if not undoable:
+            return None
+
+        def undo() -> None:
+            # rows past the old seq_len were never visible, so the cursor (and the old
+            # buffers, after a growth) is all there is to restore
+            if staged.storage is not None:
+                if old is None:
+                    self._release()
+                else:
+                    self._install(old)
+            self._seq_len = held
+
+        return undo
+
+    def append(self, k: Any, v: Any) -> None:
+        """Write ``n`` new positions after those held (see the subclass for details)."""
+        self.commit_append(self.stage_append(self.prepare_append(k, v)))
+
+    # -- the protocol: attention -----------------------------------------------------
+
+    def _no_positions(self) -> InvalidArgumentError:
+        return InvalidArgumentError("the cache holds no position: there is nothing to attend to")
+
+    def attention_view(self, n_q: int, window: int | None) -> AttentionView:
+        """The buffers in place, with ``seq_len``: attention reads ``[0, seq_len)``."""
+        if self._seq_len == 0:
+            raise self._no_positions()
+        be = self._backend
+        dims = _layout.Dims(self._batch, self._num_kv_heads, self._seq_len, self._head_dim)
+        k, v = be.attention_form(self._k), be.attention_form(self._v)
+        return AttentionView(be, k, v, self._seq_len, dims, self._dtype)
+
+    # -- views -----------------------------------------------------------------------
+
+    def get_kv(self):
+        """Views ``(K, V)`` of the positions held, or ``None`` when empty.
+
+        Zero-copy views into the buffers, in the cache's layout: ``[batch, num_kv_heads,
+        seq_len, head_dim]`` for "bhsd". Writing into them writes the cache (allowed:
+        the positions stay held). On a CUDA cache they are Numba device arrays, which
+        ``torch.as_tensor`` and ``cupy.asarray`` wrap without a copy (bfloat16 arrives as
+        ``uint16`` bit patterns: ``torch.as_tensor(K).view(torch.bfloat16)``).
+        """
+        if self._seq_len == 0:
+            return None
+        index = _layout.seq_index(self._layout, 0, self._seq_len)
+        return self._k[index], self._v[index]
+
+    def clear(self) -> None:
+        """Forget every position; keep the buffers for reuse."""
+        self._reset_counters()
+
+    def deallocate(self) -> None:
+        """Free the buffers; keep the capacity (and the sizes the constructor fixed)."""
+        self._release()
+
+    # -- the protocol: state ---------------------------------------------------------
+
+    def _meta(self) -> dict:
+        """The layer's JSON-able description; subclasses add their own fields."""
+        return {
+            "type": self.state_type,
+            "layout": self._layout,
+            "dtype": "" if self._dtype is None else str(self._dtype),
+            "batch": self._batch,
+            "num_kv_heads": self._num_kv_heads,
+            "head_dim": self._head_dim,
+            "seq_len": self._seq_len,
+            "allocated": self._k is not None,
+        }
+
+    def _held_on_host(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Host arrays (CPU: views) of the positions held, in position order."""
+        if self._k is None:
+            return None
+        kv = self.get_kv()
+        if kv is None:  # allocated, nothing held: zero-length arrays of the right shape
+            shape = _layout.buffer_shape(
+                self._layout, self._batch, self._num_kv_heads, 0, self._head_dim
+            )
+            return np.empty(shape, self._dtype), np.empty(shape, self._dtype)
+        return self.to_host(kv[0]), self.to_host(kv[1])
+
+    def export_state(self) -> CacheState:
+        """This cache as a :class:`~nbkv.protocol.CacheState` (see nbkv.protocol)."""
+        return CacheState(self.state_type, [LayerState(self._meta(), self._held_on_host)])
+
+    @classmethod
+    def _read_meta(cls, m: _format.MetaReader) -> dict:
+        """Hook: check the type's own meta fields (CacheFormatError naming the field) and
+        return the constructor arguments they give (capacity, ring, policy)."""
+        raise NotImplementedError
+
+    @classmethod
+    def _check_counts(cls, m: _format.MetaReader, args: dict, held: int) -> None:
+        """Hook: check the type's counters against ``held`` rows (CacheFormatError)."""
+
+    def _check_import(self, args: dict, held: int, where: str) -> None:
+        """Hook: raise unless this cache can take a state of ``args`` holding ``held``."""
+        if held > self._max_seq_len:
+            raise CacheOverflowError(
+                f"{where} holds {held} positions, more than this cache's capacity "
+                f"max_seq_len = {self._max_seq_len}; build it with max_seq_len >= {held}"
+            )
+
+    def _capacity_for(self, held: int) -> int:
+        """Hook: the capacity a cache holding ``held`` rows from empty needs."""
+        return self._max_seq_len
+
+    def _write_rows(self, meta: dict, kk: Any, vk: Any) -> None:
+        """Hook: write rows ``kk``, ``vk`` (kernel form, position order) where they live."""
+        self._backend.write_kv(kk, vk, 0, self._kk, self._vk)
+
+    def _set_counters(self, meta: dict, held: int) -> None:
+        """Hook: the counters of a state holding ``held`` rows."""
+        self._seq_len = held
+
+    @classmethod
+    def _one_layer(cls, state: LoadedState) -> LoadedLayer:
+        if len(state.layers) != 1 or state.type != cls.state_type:
+            raise CacheFormatError(
+                f"{state.where} holds a {state.type} of {len(state.layers)} layer(s), but "
+                f"this cache is a {cls.state_type}"
+            )
+        layer = state.layers[0]
+        if layer.meta["type"] != cls.state_type:
+            raise CacheFormatError(
+                f"{state.where}: its layer is a {layer.meta['type']}, not a {cls.state_type}"
+            )
+        return layer
+
+    @classmethod
+    def _checked_args(cls, layer: LoadedLayer, where: str) -> dict:
+        m = _format.MetaReader(layer.meta, where)
+        args = cls._read_meta(m)
+        cls._check_counts(m, args, layer.meta["seq_len"])
+        return args
+
+    @classmethod
+    def from_state(cls, state: LoadedState, *, device: str = "cpu", layout: str | None = None):
+        """A new cache of this type holding ``state`` (see :mod:`nbkv.protocol`)."""
+        layer = cls._one_layer(state)
+        return cls.from_layer_state(layer, state.where, device=device, layout=layout)
+
+    @classmethod
+    def from_layer_state(
+        cls, layer: LoadedLayer, where: str, *, device: str = "cpu", layout: str | None = None
+    ):
+        """A new cache of this type holding one layer of a state (what KVCache loads)."""
+        args = cls._checked_args(layer, where)
+        meta = layer.meta
+        layout = meta["layout"] if layout is None else _layout.check_layout(layout)
+        sizes = {f: meta[f] for f in _SIZES}
+        # built without its dtype, so that nothing is allocated yet; then configured as
+        # saved, and allocated only if the saved layer was (a lazy one stays lazy)
+        cache = cls(**args, **sizes, dtype=None, device=device, layout=layout)
+        cache._configured = (*cache._configured[:3], _format.meta_dtype(meta))
+        cache._release()
+        if meta["allocated"]:
+            cache._install(cache._new_storage(cache._configured, cache._max_seq_len))
+        cache.stage_layer_state(layer, where)()
+        return cache
+
+    def check_state(self, state: LoadedState) -> None:
+        """Raise unless :meth:`import_state` of ``state`` would succeed; change nothing."""
+        cache_type_of(self)
+        self.check_layer_state(self._one_layer(state), state.where)
+
+    def check_layer_state(self, layer: LoadedLayer, where: str) -> None:
+        """:meth:`check_state` for one layer of a state (what KVCache checks)."""
+        args = self._checked_args(layer, where)
+        meta = layer.meta
+        for field in _SIZES:
+            want, got = getattr(self, field), meta[field]
+            if want is not None and got is not None and want != got:
+                raise ShapeMismatchError(
+                    f"{where} holds {field} {got}, but this cache holds {want}"
+                )
+        dtype = _format.meta_dtype(meta)
+        if self._dtype is not None and dtype is not None and self._dtype != dtype:
+            raise DTypeMismatchError(
+                f"{where} holds dtype {dtype}, but this cache holds {self._dtype}; nbkv never casts"
+            )
+        self._check_import(args, meta["seq_len"], where)
+
+    def stage_layer_state(self, layer: LoadedLayer, where: str) -> Callable[[], None]:
+        """Check one layer of a state and make everything holding it needs (buffers,
+        copies to the device), changing nothing; return the function that then holds
+        it, which allocates nothing. KVCache stages every layer before it commits any."""
+        self.check_layer_state(layer, where)
+        meta = layer.meta
+        held = meta["seq_len"] if layer.k is not None else 0
+        storage = rows = None
+        if held:
+            be = self._backend
+            k, v = (_format.in_layout(x, meta["layout"], self._layout) for x in (layer.k, layer.v))
+            k, v, d, dtype = self._check_pair(k, v)
+            capacity = self._capacity_for(held)
+            if self._k is None or capacity != self._max_seq_len:
+                storage = self._new_storage((d.batch, d.num_kv_heads, d.head_dim, dtype), capacity)
+            rows = be.kernel_view(be.to_device(k)), be.kernel_view(be.to_device(v))
+
+        def commit() -> None:
+            if storage is not None:
+                self._install(storage)
+            if rows is not None:
+                self._write_rows(meta, *rows)
+            self._reset_counters()
+            self._set_counters(meta, held)
+
+        return commit
+
+    def import_state(self, state: LoadedState) -> None:
+        """Replace the positions held with ``state``'s, or change nothing.
+
+        Keeps the cache's device, layout and capacity (a growing cache grows to fit); a
+        state in the other layout is transposed on the way in; a state of a layer never
+        allocated clears it (buffers kept).
+        """
+        cache_type_of(self)
+        self.stage_layer_state(self._one_layer(state), state.where)()
+
+    def load_state(self, path: Any) -> None:
+        """Replace the positions held with those saved at ``path`` (see :func:`nbkv.save`).
+
+        The file is read and checked in full (structure, checksums, sizes, dtype,
+        capacity) before anything is written, so on any error the cache is unchanged.
+
+        Raises
+        ------
+        FileNotFoundError, CacheFormatError, ShapeMismatchError, DTypeMismatchError,
+        CacheOverflowError
+        """
+        self.import_state(_format.read_file(path))
+
+    # -- whole batch rows ------------------------------------------------------------
+
+    def _slots_in_use(self) -> int:
+        """Hook: leading buffer positions that hold data (all of them in a ring)."""
+        return self._seq_len
+
+    def _indices(self, indices: Any, length: int | None) -> list[int]:
+        if self._batch is None:
+            raise InvalidArgumentError(
+                "the cache has no batch rows yet (nothing allocated, no batch given)"
+            )
+        return batch_indices(indices, self._batch, "indices", length)
+
+    def check_indices(self, indices: Any, length: int | None = None) -> list[int]:
+        """``indices`` as batch rows of this cache (``length`` of them if given), or a
+        typed error; changes nothing (what ``reorder`` and ``select`` check)."""
+        return self._indices(indices, length)
+
+    def _row(self, buf, row: int, n: int):
+        """Positions ``[0, n)`` of batch row ``row`` of a kernel-form buffer, kept 4-D."""
+        return buf[row : row + 1][_layout.seq_index(self._layout, 0, n)]
+
+    def reorder(self, indices: Any) -> None:
+        """Row ``i`` becomes old row ``indices[i]``, for every batch row, in place.
+
+        Beam search's reorder: rows may repeat (two beams from one parent) and vanish.
+        ``len(indices) == batch``, each in ``[0, batch)``, checked before anything moves.
+        Done by the cache's copy kernel on its device, row by row in an order that reads
+        every row before it is overwritten; cycles (a swap) borrow one scratch batch row,
+        the only allocation, made before anything moves.
+        """
+        rows = self._indices(indices, self._batch)
+        held = self._slots_in_use()
+        if self._k is None or held == 0:
+            return
+        ops = gather_schedule(rows)
+        be = self._backend
+        scratch = None
+        if any(SCRATCH in op for op in ops):
+            shape = _layout.buffer_shape(self._layout, 1, self._num_kv_heads, held, self._head_dim)
+            scratch = tuple(be.kernel_view(be.empty(shape, self._dtype)) for _ in "kv")
+        for dst, src in ops:
+            if src == SCRATCH:
+                k_src, v_src = scratch
+            else:
+                k_src, v_src = self._row(self._kk, src, held), self._row(self._vk, src, held)
+            if dst == SCRATCH:
+                k_dst, v_dst = scratch
+            else:
+                k_dst, v_dst = self._kk[dst : dst + 1], self._vk[dst : dst + 1]
+            be.write_kv(k_src, v_src, 0, k_dst, v_dst)
+
+    def _blank_like(self, batch: int | None):
+        """A new cache of this type and configuration, holding nothing, no buffers."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        if batch is not None:
+            _, heads, dim, dtype = self._configured
+            new._configured = (batch, heads, dim, dtype)
+        new._release()
+        return new
+
+    def _copy_counters(self, other: BaseKVCache) -> None:
+        """Hook: take ``other``'s counters (a ring has more than one)."""
+        self._seq_len = other._seq_len
+
+    def select(self, indices: Any):
+        """A new cache whose row ``i`` is this cache's row ``indices[i]`` (any length >= 1).
+
+        Same capacity, dtype, device, layout and configuration; rows copied by the kernel.
+        """
+        rows = self._indices(indices, None)
+        new = self._blank_like(len(rows))
+        if self._k is not None:
+            sizes = (len(rows), self._num_kv_heads, self._head_dim, self._dtype)
+            new._install(new._new_storage(sizes, self._max_seq_len))
+            held = self._slots_in_use()
+            for i, src in enumerate(rows):
+                if held:
+                    self._backend.write_kv(
+                        self._row(self._kk, src, held),
+                        self._row(self._vk, src, held),
+                        0,
+                        new._kk[i : i + 1],
+                        new._vk[i : i + 1],
+                    )
+            new._copy_counters(self)
+        return new
+
+    def copy(self):
+        """An independent copy: new buffers, the positions held copied by the kernel."""
+        new = self._blank_like(None)
+        new._configured = self._configured
+        if self._k is not None:
+            new._install(new._new_storage(self._current_storage().sizes, self._max_seq_len))
+            held = self._slots_in_use()
+            if held:
+                index = _layout.seq_index(self._layout, 0, held)
+                self._backend.write_kv(self._kk[index], self._vk[index], 0, new._kk, new._vk)
+            new._copy_counters(self)
+        else:
+            new._max_seq_len = self._max_seq_len
+        return new
+
+    def __copy__(self):
+        return self.copy()
+
+    def __deepcopy__(self, memo: dict):
+        return self.copy()
