@@ -6,17 +6,25 @@ import numbers
 
 from .errors import ArgumentTypeError, InvalidArgumentError, ShapeMismatchError
 
-__all__ = ["positive_int", "optional_positive_int", "nonnegative_int", "batch_indices"]
+__all__ = ["MAX_SIZE", "positive_int", "optional_positive_int", "nonnegative_int", "batch_indices"]
 
 
-def positive_int(value: object, name: str) -> int:
-    """``value`` as an ``int`` if it is an integer >= 1, else a typed error."""
+# the largest size or count nbkv takes (positions, batch rows, heads, head_dim, layers):
+# kernels index with 64-bit ints, but no real cache comes near this, and a bound here
+# turns a typo like 2**62 into a typed error rather than an OverflowError deep inside
+MAX_SIZE = 2**31 - 1
+
+
+def positive_int(value: object, name: str, maximum: int = MAX_SIZE) -> int:
+    """``value`` as an ``int`` if it is an integer in [1, maximum], else a typed error."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(
-            f"{name} must be a positive int, got {type(value).__name__} {value!r}"
+            f"{name} must be a positive int, got {type(value).__name__} {value!r:.60}"
         )
     if value <= 0:
         raise InvalidArgumentError(f"{name} must be a positive int, got {value}")
+    if value > maximum:
+        raise InvalidArgumentError(f"{name} must be at most {maximum}, got {value}")
     return int(value)
 
 
@@ -26,10 +34,10 @@ def optional_positive_int(value: object, name: str) -> int | None:
 
 
 def nonnegative_int(value: object, name: str) -> int:
-    """``value`` as an ``int`` if it is an integer >= 0, else a typed error."""
+    """``value`` as an ``int`` if it is an integer >= 0 (of any size), else a typed error."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(
-            f"{name} must be a non-negative int, got {type(value).__name__} {value!r}"
+            f"{name} must be a non-negative int, got {type(value).__name__} {value!r:.60}"
         )
     if value < 0:
         raise InvalidArgumentError(f"{name} must be a non-negative int, got {value}")

@@ -482,8 +482,8 @@ def get_backend(device: object, layout: object = "bhsd") -> Backend:
 
     One instance per (device, layout), made on first request.
     """
-    if device not in DEVICES:
-        raise InvalidArgumentError(f"device must be one of {DEVICES}, got {device!r}")
+    if not isinstance(device, str) or device not in DEVICES:
+        raise InvalidArgumentError(f"device must be one of {DEVICES}, got {device!r:.60}")
     layout = _layout.check_layout(layout)
     key = (device, layout)
     backend = _BACKENDS.get(key)

@@ -24,7 +24,7 @@ from . import _format
 from . import layout as _layout
 from ._gather import SCRATCH, gather_schedule
 from ._units import human_bytes
-from ._validate import batch_indices, optional_positive_int, positive_int
+from ._validate import batch_indices, nonnegative_int, optional_positive_int, positive_int
 from .backends import get_backend
 from .dtypes import check_supported, resolve_dtype
 from .errors import (
@@ -306,7 +306,7 @@ class BaseKVCache:
 
     def check_room(self, n: int) -> None:
         """Raise :class:`~nbkv.CacheOverflowError` unless ``n`` more positions would fit."""
-        self._check_room(n, "append")
+        self._check_room(nonnegative_int(n, "n"), "append")
 
     def prepare_append(self, k: Any, v: Any) -> AppendPlan:
         """Every check ``append(k, v)`` makes; changes nothing."""

@@ -68,12 +68,16 @@ class KVCache:
         ArgumentTypeError
             ``layers`` is not an iterable of one or more layer caches.
         """
-        if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-            raise ArgumentTypeError(
-                f"layers must be an iterable of layer caches (LayerKVCache, RotatingKVCache), "
-                f"got {type(layers).__name__}"
-            )
-        layers = list(layers)
+        not_iterable = ArgumentTypeError(
+            f"layers must be an iterable of layer caches (LayerKVCache, RotatingKVCache), "
+            f"got {type(layers).__name__}"
+        )
+        if isinstance(layers, (str, bytes)):
+            raise not_iterable
+        try:
+            layers = list(layers)
+        except TypeError:
+            raise not_iterable from None
         bad = next((x for x in layers if not is_layer_cache(x)), None)
         if not layers or bad is not None:
             got = "none" if not layers else type(bad).__name__

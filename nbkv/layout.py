@@ -36,8 +36,8 @@ class Dims(NamedTuple):
 
 def check_layout(layout: object) -> str:
     """Return ``layout`` if it names a known layout, else raise InvalidArgumentError."""
-    if layout not in LAYOUTS:
-        raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r:.60}")
     return layout  # type: ignore[return-value]
 
 

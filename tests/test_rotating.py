@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import nbkv
 from nbkv import reference
+from nbkv.backends import get_backend
 
 from conftest import DEVICE, LAYOUTS, assert_bits_equal, host, randn, shape_of
 from test_errors import assert_same, snapshot
@@ -230,6 +231,51 @@ class RotatingMachine(RuleBasedStateMachine):
         self.rows = np.concatenate([self.rows, k], axis=2)
         self.offset += n
         self.retain()
+
+    @rule(n=st.integers(1, 9), group=st.sampled_from([1, 3]), data=st.data())
+    def append_and_attend(self, n, group, data):
+        """Append and attend in one call: the output against the reference over the rows
+        the ring holds afterwards (in temporal order), or a typed error and no change."""
+        n_q = data.draw(st.integers(1, n), label="n_q")
+        window = data.draw(st.sampled_from([None, 1, 2]) | st.integers(1, 9), label="window")
+        k = randn(self.rng, (2, 1, n, 2), "float16")
+        q = randn(self.rng, (2, group, n_q, 2), "float32")
+        held_after = min(len(self.positions) + n, self.window)
+        if n_q > held_after:  # the queries must be positions the ring still holds
+            with pytest.raises(nbkv.ShapeMismatchError, match="queries"):
+                nbkv.append_and_attend(q, k, k, self.cache, window=window)
+            return
+        out = host(nbkv.append_and_attend(q, k, k, self.cache, window=window))
+        self.positions += list(range(self.offset, self.offset + n))
+        self.rows = np.concatenate([self.rows, k], axis=2)
+        self.offset += n
+        self.retain()
+        want = reference.attention(q, self.rows, self.rows, window=window)
+        np.testing.assert_allclose(out, want, rtol=0, atol=5e-5)
+
+    @rule(n=st.integers(1, 9), data=st.data())
+    def a_fault_changes_nothing(self, n, data):
+        """An allocation that fails (saving the rows an append overwrites, or the ordered
+        copy attention reads after the rows were written): MemoryError and the ring
+        exactly as it was."""
+        backend = get_backend(DEVICE, "bhsd")
+        real, fail_at, calls = backend.empty, data.draw(st.integers(0, 5), label="fail_at"), []
+
+        def refuse(*args, **kwargs):  # the fail_at-th allocation fails
+            calls.append(1)
+            if len(calls) > fail_at:
+                raise MemoryError("injected: empty failed")
+            return real(*args, **kwargs)
+
+        model = (list(self.positions), self.rows, self.offset)
+        backend.empty = refuse
+        try:
+            self.append_and_attend(n, 1, data)
+        except MemoryError as err:
+            assert "injected" in str(err)
+            self.positions, self.rows, self.offset = model
+        finally:
+            del backend.empty
 
     @rule(n=st.integers(0, 9))
     def trim(self, n):

@@ -19,8 +19,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import nbkv
 from nbkv import reference
+from nbkv.backends import get_backend
 
-from conftest import DEVICE, LAYOUTS, assert_bits_equal, dtype_of, randn, shape_of
+from conftest import DEVICE, LAYOUTS, assert_bits_equal, dtype_of, host, randn, shape_of
 
 DTYPES = ["float32", "float64", "float16", "bfloat16"]
 SEQ = {"bhsd": 2, "bshd": 1}
@@ -100,6 +101,81 @@ class CacheMachine(RuleBasedStateMachine):
                 *self.dims[:2], self.dims[2], self.dtype, self.layout
             )
         self.K, self.V = reference.append(self.K, self.V, k, v, self.layout)
+
+    @rule(n=st.integers(1, 6), group=st.sampled_from([1, 2]), data=st.data())
+    def append_and_attend(self, n, group, data):
+        """The fused write and attention: the output against the float64 reference over
+        what the model holds after the append, the cache against the model."""
+        n_q = data.draw(st.integers(1, n), label="n_q")
+        window = data.draw(st.sampled_from([None, 1, 2]) | st.integers(1, 16), label="window")
+        k, v = self.arrays(n)
+        b, h, d = self.dims
+        q_dtype = np.float64 if self.dtype == np.float64 else np.float32
+        q = randn(self.rng, (b, h * group, n_q, d), q_dtype)
+        if not self.fits(self.seq_len + n):
+            self.expect_error(
+                nbkv.CacheOverflowError,
+                lambda: nbkv.append_and_attend(q, k, v, self.cache, window=window),
+            )
+            return
+        out = nbkv.append_and_attend(q, k, v, self.cache, window=window)
+        if not self.allocated:
+            self.allocated, self.sizes = True, (self.dims, self.dtype)
+        if self.K is None:
+            self.K, self.V = reference.empty_kv(b, h, d, self.dtype, self.layout)
+        self.K, self.V = reference.append(self.K, self.V, k, v, self.layout)
+        want = reference.attention(q, self.K, self.V, window=window, layout=self.layout)
+        # float64 accumulates in float64 on the CPU; CUDA accumulates everything in float32
+        tol = 1e-9 if q_dtype == np.float64 and DEVICE == "cpu" else 5e-5
+        np.testing.assert_allclose(host(out), want, rtol=tol, atol=tol)
+
+    @rule(
+        fault=st.sampled_from(["empty", "to_device"]),
+        op=st.sampled_from(["append", "append_and_attend", "select", "copy", "reorder"]),
+        n=st.integers(1, 14),
+        fail_at=st.integers(0, 2),
+    )
+    def a_fault_changes_nothing(self, fault, op, n, fail_at):
+        """An allocation or a host->device copy that fails (the ``fail_at``-th), in the
+        middle of an operation that needs it: MemoryError, and the cache exactly as it
+        was (the invariant checks
+        it against the model, which is left alone). Where the operation needs neither,
+        it succeeds, and the model follows."""
+        backend = get_backend(DEVICE, self.layout)
+        saved = backend.__dict__.get(fault)
+        real, calls = getattr(backend, fault), []
+
+        def refuse(*args, **kwargs):  # the fail_at-th call fails
+            calls.append(1)
+            if len(calls) > fail_at:
+                raise MemoryError(f"injected: {fault} failed")
+            return real(*args, **kwargs)
+
+        model = (self.cap, self.K, self.V, self.allocated, self.sizes)
+        setattr(backend, fault, refuse)
+        try:
+            if op == "append":
+                self.append(n)
+            elif op == "append_and_attend":
+                self.append_and_attend(n, 1, _Draws([min(n, 2), None]))
+            elif op == "reorder" and self.sizes is not None:
+                self.cache.reorder(list(range(self.dims[0]))[::-1])
+                if self.K is not None:
+                    self.K, self.V = self.K[::-1], self.V[::-1]
+            elif op in ("select", "copy") and self.sizes is not None:
+                picked = self.cache.select([0]) if op == "select" else self.cache.copy()
+                rows = [0] if op == "select" else slice(None)
+                self.check(
+                    picked, *((None, None) if self.K is None else (self.K[rows], self.V[rows]))
+                )
+        except MemoryError as err:
+            assert "injected" in str(err)
+            self.cap, self.K, self.V, self.allocated, self.sizes = model  # nothing happened
+        finally:
+            if saved is None:
+                delattr(backend, fault)
+            else:
+                setattr(backend, fault, saved)
 
     @rule(n=st.integers(1, 3), which=st.sampled_from(["head_dim", "dtype", "seq", "ndim", "list"]))
     def bad_append(self, n, which):
@@ -257,6 +333,16 @@ class CacheMachine(RuleBasedStateMachine):
             b, h, d = self.dims
             assert self.cache.shape == shape_of(self.layout, b, h, self.cap, d)
             assert self.cache.nbytes == 2 * b * h * self.cap * d * self.dtype.itemsize
+
+
+class _Draws:
+    """Stands in for hypothesis's ``data`` where a rule calls another with fixed draws."""
+
+    def __init__(self, values):
+        self.values = list(values)
+
+    def draw(self, strategy, label=None):
+        return self.values.pop(0)
 
 
 TestCacheMachine = CacheMachine.TestCase
