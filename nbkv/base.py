@@ -370,9 +370,14 @@ class BaseKVCache:
 
         return undo
 
-    def append(self, k: Any, v: Any) -> None:
-        """Write ``n`` new positions after those held (see the subclass for details)."""
-        self.commit_append(self.stage_append(self.prepare_append(k, v)))
+    def append(self, k: Any, v: Any, *, undoable: bool = False) -> Callable[[], None] | None:
+        """Write ``n`` new positions after those held (see the subclass for details).
+
+        With ``undoable=True``, return a function that puts the cache back as it was
+        before this append (what a caller that may fail later, as a model's forward
+        pass, keeps); else ``None``.
+        """
+        return self.commit_append(self.stage_append(self.prepare_append(k, v)), undoable=undoable)
 
     # -- the protocol: attention -----------------------------------------------------
 

@@ -9,6 +9,7 @@ What it shares with the ring of :mod:`nbkv.rotating` lives in :mod:`nbkv.base`.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -165,15 +166,15 @@ class LayerKVCache(BaseKVCache):
 
     def _storage_for(self, plan: AppendPlan) -> Storage | None:
         d = plan.dims
-        if d.seq == 0:
-            return None
+        if d.seq == 0 or (self._k is not None and self._seq_len + d.seq <= self._max_seq_len):
+            return None  # the decode loop's case: the buffers hold it
         sizes = (d.batch, d.num_kv_heads, d.head_dim, plan.dtype)
         grown = self._grown(self._seq_len + d.seq, sizes)
         return grown if grown is not None else super()._storage_for(plan)
 
     # -- the reference API -----------------------------------------------------------
 
-    def append(self, k: Any, v: Any) -> None:
+    def append(self, k: Any, v: Any, *, undoable: bool = False) -> Callable[[], None] | None:
         """Write ``n`` new positions of keys and values after the ``seq_len`` held.
 
         Parameters
@@ -181,6 +182,13 @@ class LayerKVCache(BaseKVCache):
         k, v : arrays of shape [batch, num_kv_heads, n, head_dim] (in the cache's layout)
             Any strides. On a CUDA cache: device arrays (Numba, CuPy, torch: anything
             with ``__cuda_array_interface__``, no copy) or host arrays (copied once).
+        undoable : bool, default False
+            Return a function that puts the cache back as it was before this append
+            (cursor, and buffers after a growth), for a caller that may fail later.
+
+        Returns
+        -------
+        None, or with ``undoable`` the undo function.
 
         Raises
         ------
@@ -191,12 +199,13 @@ class LayerKVCache(BaseKVCache):
             ``seq_len + n > max_seq_len``; the message says how many positions are free.
         """
         # Fast path for the decode loop: host arrays of the very shape and dtype the last
-        # append validated need only the room check. It is taken on the CPU backend for
-        # dtypes kernels read as they are; anything else goes through every check below.
+        # append validated need only the room check. It is taken on the CPU backend (16-bit
+        # data seen as their uint16 bits, as the kernels take them); anything else goes
+        # through every check below.
         pos = self._seq_len
         fast = self._fast
         if fast is not None:
-            shape, dtype, last_pos, n, write, k_buf, v_buf = fast
+            shape, dtype, last_pos, n, write, k_buf, v_buf, bits = fast
             if (
                 type(k) is _ndarray
                 and type(v) is _ndarray
@@ -206,17 +215,28 @@ class LayerKVCache(BaseKVCache):
                 and v.dtype is dtype
                 and pos <= last_pos
             ):
-                write(k, v, pos, k_buf, v_buf)
+                if bits is None:
+                    write(k, v, pos, k_buf, v_buf)
+                else:
+                    write(k.view(bits), v.view(bits), pos, k_buf, v_buf)
                 self._seq_len = pos + n
-                return
+                return self._back_to(pos) if undoable else None
         plan = self.prepare_append(k, v)
-        self.commit_append(self.stage_append(plan))
+        undo = self.commit_append(self.stage_append(plan), undoable=undoable)
         be = self._backend
         k, n = plan.k, plan.dims.seq
         if n and be.name == "cpu" and type(k) is _ndarray and type(plan.v) is _ndarray:
-            if self._kk.dtype == self._dtype:  # 16-bit data need a view: no fast path
-                last_pos = self._max_seq_len - n
-                self._fast = (k.shape, self._dtype, last_pos, n, be.write_kv, self._kk, self._vk)
+            last_pos = self._max_seq_len - n
+            bits = None if self._kk.dtype == self._dtype else self._kk.dtype
+            fast = (k.shape, k.dtype, last_pos, n, be.write_kv, self._kk, self._vk, bits)
+            self._fast = fast
+        return undo
+
+    def _back_to(self, held: int) -> Callable[[], None]:
+        def undo() -> None:  # the fast path never grows: the cursor is all there is
+            self._seq_len = held
+
+        return undo
 
     # -- sequence management -----------------------------------------------------------
 

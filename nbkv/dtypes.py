@@ -28,6 +28,7 @@ def _bfloat16() -> np.dtype | None:
     return np.dtype(ml_dtypes.bfloat16)
 
 
+@lru_cache(maxsize=1)
 def supported_dtypes() -> tuple[np.dtype, ...]:
     """The dtypes a cache can hold here (bfloat16 only where ml_dtypes is installed)."""
     found = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)]

@@ -26,7 +26,8 @@ and fuse the write into another kernel:
     memory. With ``undoable=True`` it returns a function that puts the cache back as it
     was before the commit (a ring saves the rows it overwrites first); else ``None``.
 
-``append(k, v)`` is the three in a row. ``check_room(n)`` raises
+``append(k, v, *, undoable=False)`` is the three in a row (a LayerKVCache adds a fast
+path for the decode loop), returning the undo function when asked. ``check_room(n)`` raises
 :class:`~nbkv.CacheOverflowError` unless ``n`` more positions would fit (a ring always
 fits), for callers that know ``n`` before they have the arrays (a model's forward pass).
 
@@ -182,6 +183,8 @@ class LayerCache(Protocol):
     def commit_append(
         self, staged: StagedAppend, *, written: bool = False, undoable: bool = False
     ) -> Callable[[], None] | None: ...
+
+    def append(self, k: Any, v: Any, *, undoable: bool = False) -> Callable[[], None] | None: ...
 
     def check_room(self, n: int) -> None: ...
 

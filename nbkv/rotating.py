@@ -242,9 +242,13 @@ class RotatingKVCache(BaseKVCache):
         self._ring_count = min(self._ring, self._ring_count + ring_new)
         self._seq_len = self._sink_count + self._ring_count
 
-    def append(self, k: Any, v: Any) -> None:
-        """Write ``n`` new positions; of a long append only the positions kept are written."""
-        self.commit_append(self.stage_append(self.prepare_append(k, v)))
+    def append(self, k: Any, v: Any, *, undoable: bool = False) -> Callable[[], None] | None:
+        """Write ``n`` new positions; of a long append only the positions kept are written.
+
+        ``undoable`` as for :meth:`nbkv.LayerKVCache.append` (the rows overwritten are
+        saved first, so the undo puts them back).
+        """
+        return self.commit_append(self.stage_append(self.prepare_append(k, v)), undoable=undoable)
 
     # -- views -----------------------------------------------------------------------
 

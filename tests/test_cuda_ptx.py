@@ -8,7 +8,13 @@ or strided ("A") inputs, contiguous cache buffers, an int64 position.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import os
+import re
+import shutil
+import subprocess
+import tempfile
 
 import pytest
 
@@ -20,14 +26,24 @@ cuda = pytest.importorskip("numba.cuda")
 from numba import types  # noqa: E402
 
 try:
-    from nbkv.kernels import cuda as kernels
+    from nbkv.kernels import cuda as kernels  # noqa: F401 - imports, or the module skips
 except Exception as err:  # pragma: no cover - numba-cuda missing or broken
     pytest.skip(f"nbkv.kernels.cuda does not import: {err}", allow_module_level=True)
 
 H200 = (9, 0)
-# what kernels see: float16 and bfloat16 travel as uint16 bit patterns
-STORAGE = [types.float32, types.float64, types.uint16]
+# what kernels see: float16 and bfloat16 travel as uint16 bit patterns; float16 device
+# arrays are also gathered as they are (to_host of a strided float16 view)
+STORAGE = [types.float32, types.float64, types.uint16, types.float16]
 LAYOUTS = ["C", "A"]
+
+
+@functools.cache
+def ptx_of(module: str, name: str, sig: tuple) -> tuple[str, object]:
+    """``compile_ptx`` of one kernel and signature, once per test session."""
+    import importlib
+
+    kernel = getattr(importlib.import_module(f"nbkv.kernels.{module}"), name)
+    return cuda.compile_ptx(kernel.py_func, sig, cc=H200)
 
 
 def _nvvm_or_skip():
@@ -52,18 +68,16 @@ def signatures_cache():
 @pytest.mark.parametrize("name", ["write_kv_kernel", "write_kv_bshd_kernel"])
 def test_write_kv_kernels_compile_for_h200(name):
     _nvvm_or_skip()
-    kernel = getattr(kernels, name)
     for sig in signatures_kv():
-        ptx, restype = cuda.compile_ptx(kernel.py_func, sig, cc=H200)
+        ptx, restype = ptx_of("cuda", name, sig)
         assert ".target sm_90" in ptx and restype == types.void, sig
 
 
 @pytest.mark.parametrize("name", ["write_cache_kernel", "write_cache_bshd_kernel"])
 def test_write_cache_kernels_compile_for_h200(name):
     _nvvm_or_skip()
-    kernel = getattr(kernels, name)
     for sig in signatures_cache():
-        ptx, restype = cuda.compile_ptx(kernel.py_func, sig, cc=H200)
+        ptx, restype = ptx_of("cuda", name, sig)
         assert ".target sm_90" in ptx and restype == types.void, sig
 
 
@@ -109,9 +123,89 @@ def signatures_attention(fused: bool):
 )
 def test_attention_kernels_compile_for_h200(name, fused):
     _nvvm_or_skip()
+    for sig in signatures_attention(fused):
+        ptx, restype = ptx_of("cuda_attention", name, sig)
+        assert ".target sm_90" in ptx and restype == types.void, sig
+
+
+# -- ptxas: registers, spills, local memory -------------------------------------------
+
+PTXAS = shutil.which("ptxas")
+
+
+def ptxas_report(ptx: str) -> dict:
+    """``ptxas -arch=sm_90 -v`` of one kernel's PTX: registers, stack, spills, barriers.
+
+    The machine's ptxas (CUDA 13.0) reads PTX ISA up to 9.0 while numba-cuda's NVVM may
+    write a newer .version; the header is lowered to 9.0, which ptxas accepts only if the
+    kernel uses nothing newer (it refuses otherwise, and this test fails).
+    """
+    ptx = re.sub(r"^\.version \d+\.\d+", ".version 9.0", ptx, count=1, flags=re.M)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        run = subprocess.run(
+            [PTXAS, "-arch=sm_90", "-v", path, "-o", os.path.join(folder, "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
+    assert run.returncode == 0, run.stderr[-2000:]
+    info = run.stderr
+    numbers = {
+        "registers": r"Used (\d+) registers",
+        "stack": r"(\d+) bytes stack frame",
+        "spill_stores": r"(\d+) bytes spill stores",
+        "spill_loads": r"(\d+) bytes spill loads",
+    }
+    return {key: int(re.search(pattern, info).group(1)) for key, pattern in numbers.items()}
+
+
+needs_ptxas = pytest.mark.skipif(PTXAS is None, reason="no ptxas (the CUDA toolkit) on PATH")
+
+
+@needs_ptxas
+@pytest.mark.parametrize(
+    "name, signatures",
+    [
+        ("write_kv_kernel", signatures_kv),
+        ("write_kv_bshd_kernel", signatures_kv),
+        ("write_cache_kernel", signatures_cache),
+        ("write_cache_bshd_kernel", signatures_cache),
+    ],
+)
+def test_copy_kernels_assemble_without_spills_or_local_memory(name, signatures):
+    _nvvm_or_skip()
+    for sig in signatures():
+        report = ptxas_report(ptx_of("cuda", name, sig)[0])
+        assert report["spill_stores"] == report["spill_loads"] == report["stack"] == 0, sig
+        assert report["registers"] <= 64, (sig, report)
+
+
+@needs_ptxas
+@pytest.mark.parametrize(
+    "name, fused",
+    [
+        ("attend_kernel", False),
+        ("attend_bshd_kernel", False),
+        ("append_attend_kernel", True),
+        ("append_attend_bshd_kernel", True),
+    ],
+)
+def test_attention_kernels_fit_four_blocks_per_sm_without_spills(name, fused):
+    """128-thread blocks at ATTENTION_BLOCKS_PER_SM = 4 need at most 128 registers a
+    thread (65,536 per SM); the only local memory is the accumulators and dot products
+    (cuda.local arrays of ROWS * ceil(MAX_HEAD_DIM / THREADS) + ROWS floats)."""
+    _nvvm_or_skip()
+    from nbkv import _config
     from nbkv.kernels import cuda_attention
 
-    kernel = getattr(cuda_attention, name)
-    for sig in signatures_attention(fused):
-        ptx, restype = cuda.compile_ptx(kernel.py_func, sig, cc=H200)
-        assert ".target sm_90" in ptx and restype == types.void, sig
+    if cuda_attention.THREADS != 128:
+        pytest.skip("the simulator's 32-thread block is not what a GPU runs")
+    per_sm = 65_536 // (cuda_attention.THREADS * _config.ATTENTION_BLOCKS_PER_SM)
+    local = 4 * (cuda_attention._ACC_SIZE + cuda_attention.ROWS)
+    for sig in list(signatures_attention(fused))[:4]:  # every storage dtype
+        report = ptxas_report(ptx_of("cuda_attention", name, sig)[0])
+        assert report["spill_stores"] == report["spill_loads"] == 0, (sig, report)
+        assert report["registers"] <= per_sm, (sig, report)
+        assert report["stack"] <= local, (sig, report)

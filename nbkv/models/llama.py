@@ -436,8 +436,7 @@ class Llama:
 
         def attend(i: int, q, k, v):
             layer = cache[i]
-            staged = layer.stage_append(layer.prepare_append(k, v))
-            undo.append(layer.commit_append(staged, undoable=True))
+            undo.append(layer.append(k, v, undoable=True))
             # a CUDA cache answers with a device array: one explicit device->host copy
             return to_host(attention(q, layer, window=window))
 
@@ -647,26 +646,13 @@ class Llama:
                 f"cache layers hold different seq_len ({lengths}), as after an "
                 "interrupted forward pass; clear() the cache"
             )
+        want = (batch, c.num_key_value_heads, c.head_dim, _F32, cache.layout)
         for i, layer in enumerate(cache):  # every layer, before anything is written
-            for field, got, want in (
-                ("batch", layer.batch, batch),
-                ("num_kv_heads", layer.num_kv_heads, c.num_key_value_heads),
-                ("head_dim", layer.head_dim, c.head_dim),
-            ):
-                if got is not None and got != want:
-                    source = "token_ids" if field == "batch" else "the model"
-                    raise ShapeMismatchError(
-                        f"cache layer {i} holds {field} {got} but {source} has {want}"
-                    )
-            if layer.dtype is not None and layer.dtype != _F32:
-                raise DTypeMismatchError(
-                    f"cache layer {i} must hold float32 (the model's), got {layer.dtype}"
-                )
-            if layer.layout != cache.layout:
-                raise InvalidArgumentError(
-                    f"cache layer {i} has layout {layer.layout!r} but layer 0 has "
-                    f"{cache.layout!r}; a model's cache holds one layout"
-                )
+            got = (layer.batch, layer.num_kv_heads, layer.head_dim, layer.dtype, layer.layout)
+            if got != want:  # only then find out which, if any, is wrong (None: lazy)
+                self._check_layer(i, got, want)
+        if cache.seq_len + n <= cache.max_seq_len:
+            return  # room in every layer
         try:
             cache.check_room(n)
         except CacheOverflowError as err:
@@ -675,6 +661,24 @@ class Llama:
                 f"{what} need {n} positions but the cache holds {held} of {capacity} and "
                 f"{capacity - held} are free; build it with max_seq_len >= {held + n} ({err})"
             ) from None
+
+    @staticmethod
+    def _check_layer(i: int, got: tuple, want: tuple) -> None:
+        """Raise the typed error for the first size, dtype or layout of cache layer ``i``
+        that does not fit the model (sizes and dtype may be None: a lazy layer)."""
+        for field, g, w in zip(("batch", "num_kv_heads", "head_dim"), got, want, strict=False):
+            if g is not None and g != w:
+                source = "token_ids" if field == "batch" else "the model"
+                raise ShapeMismatchError(f"cache layer {i} holds {field} {g} but {source} has {w}")
+        if got[3] is not None and got[3] != want[3]:
+            raise DTypeMismatchError(
+                f"cache layer {i} must hold float32 (the model's), got {got[3]}"
+            )
+        if got[4] != want[4]:
+            raise InvalidArgumentError(
+                f"cache layer {i} has layout {got[4]!r} but layer 0 has {want[4]!r}; a "
+                "model's cache holds one layout"
+            )
 
 
 def _pick(
