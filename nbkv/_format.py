@@ -41,6 +41,7 @@ temporary files of the same target left by processes of this machine that have d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -64,6 +65,8 @@ __all__ = [
     "MetaReader",
     "write_file",
     "read_file",
+    "open_file",
+    "FileTensor",
     "meta_dtype",
     "in_layout",
     "file_path",
@@ -406,22 +409,67 @@ def _expected(metas: list[dict], tensors: dict, crc: dict, where: str) -> dict:
     return expected
 
 
-def _read_exactly(f, n: int, where: str) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = f.readinto(view[got:])
-        if not k:
-            raise CacheFormatError(
-                f"{where}: the file ended {n - got} bytes early; is it truncated?"
+def _read_exactly(f, n: int, where: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise CacheFormatError(
+            f"{where}: the file ended {n - len(data)} bytes early; is it truncated?"
+        )
+    return data
+
+
+class FileTensor:
+    """One tensor of an open cache file, read on demand and checked by its CRC32.
+
+    ``shape`` and ``dtype`` are the checked header's. :meth:`read` returns a new host
+    array; :meth:`read_into` reads straight into an array of that shape (any strides:
+    the buffers of a new cache), piece by piece, computing the CRC32 on the way; on a
+    mismatch it raises CacheFormatError and ``out`` holds garbage (so only a cache that
+    is not yet anyone's is read into).
+    """
+
+    def __init__(self, f, where: str, name: str, dtype: np.dtype, shape: tuple, at: int, crc: int):
+        self._f, self.where, self.name = f, where, name
+        self.dtype, self.shape, self._at, self._crc = dtype, shape, at, crc
+
+    def read_into(self, out: np.ndarray) -> np.ndarray:
+        if tuple(out.shape) != self.shape or out.dtype.itemsize != self.dtype.itemsize:
+            raise ValueError(
+                f"{self.name}: cannot read {self.shape} {self.dtype} into {out.shape} {out.dtype}"
             )
-        got += k
-    return buf
+        self._f.seek(self._at)
+        crc = 0
+        for piece in _pieces(out):
+            got = 0
+            while got < len(piece):
+                k = self._f.readinto(piece[got:])
+                if not k:
+                    raise CacheFormatError(
+                        f"{self.where}: the file ended inside tensor {self.name!r} (it changed "
+                        "while being read, or is truncated)"
+                    )
+                got += k
+            crc = zlib.crc32(piece, crc)
+        if crc != self._crc:
+            raise CacheFormatError(
+                f"{self.where}: tensor {self.name!r} is corrupted: its CRC32 is {crc:08x} but "
+                f"the file records {self._crc:08x}"
+            )
+        return out
+
+    def read(self) -> np.ndarray:
+        return self.read_into(np.empty(self.shape, self.dtype))
 
 
-def read_file(path: Any) -> LoadedState:
-    """Read and check a cache file: a :class:`~nbkv.protocol.LoadedState` (host arrays).
+@contextlib.contextmanager
+def open_file(path: Any) -> Iterator[LoadedState]:
+    """Open and check a cache file; yield a :class:`~nbkv.protocol.LoadedState` whose
+    layers hold :class:`FileTensor` objects, readable while the ``with`` block lasts.
+
+    Everything but the tensors' CRC32 (checked as each is read) is checked before this
+    yields: the header (size, nesting, integers, checksum, structure) and every tensor's
+    name, dtype, shape and place against the metadata and the file's size. The file is
+    opened once, so what is read is one snapshot of it, whatever a writer does meanwhile.
 
     Raises
     ------
@@ -450,24 +498,28 @@ def read_file(path: Any) -> LoadedState:
                 f"{where}: header length {n} runs past the end of the {total}-byte file; "
                 "is it truncated?"
             )
-        raw = bytes(_read_exactly(f, n, where))
-        data_len = total - 8 - n
-        kind, metas, tensors, crc = _parse(raw, data_len, where)
-        expected = _expected(metas, tensors, crc, where)
-        # the tensors tile the data exactly (checked above), so this is the file's size
-        data = _read_exactly(f, data_len, where)
-    arrays = {}
-    for name in expected:
-        dtype, shape, begin, end = tensors[name]
-        got = zlib.crc32(memoryview(data)[begin:end])
-        if got != int(crc[name], 16):
-            raise CacheFormatError(
-                f"{where}: tensor {name!r} is corrupted: its CRC32 is {got:08x} but the file "
-                f"records {crc[name]}"
-            )
-        arrays[name] = np.frombuffer(data, np.uint8, end - begin, begin).view(dtype).reshape(shape)
-    layers = [
-        LoadedLayer(meta, arrays.get(tensor_name(i, "k")), arrays.get(tensor_name(i, "v")))
-        for i, meta in enumerate(metas)
-    ]
-    return LoadedState(kind, layers, where)
+        raw = _read_exactly(f, n, where)
+        # the tensors must tile the data exactly: the sizes claimed are the bytes held
+        kind, metas, tensors, crc = _parse(raw, total - 8 - n, where)
+        _expected(metas, tensors, crc, where)
+
+        def tensor(i: int, which: str) -> FileTensor | None:
+            name = tensor_name(i, which)
+            if name not in tensors:
+                return None
+            dtype, shape, begin, _ = tensors[name]
+            return FileTensor(f, where, name, dtype, shape, 8 + n + begin, int(crc[name], 16))
+
+        layers = [LoadedLayer(meta, tensor(i, "k"), tensor(i, "v")) for i, meta in enumerate(metas)]
+        yield LoadedState(kind, layers, where)
+
+
+def read_file(path: Any) -> LoadedState:
+    """Read and check a whole cache file: a LoadedState of host arrays (every tensor read
+    and its CRC32 checked before this returns). Raises as :func:`open_file`."""
+    with open_file(path) as state:
+        layers = [
+            LoadedLayer(x.meta, *(None if t is None else t.read() for t in (x.k, x.v)))
+            for x in state.layers
+        ]
+    return LoadedState(state.type, layers, state.where)

@@ -470,6 +470,9 @@ class BaseKVCache:
         """Hook: the capacity a cache holding ``held`` rows from empty needs."""
         return self._max_seq_len
 
+    # whether _write_rows puts rows in position order at slot 0 (a file reads straight in)
+    _rows_in_order = True
+
     def _write_rows(self, meta: dict, kk: Any, vk: Any) -> None:
         """Hook: write rows ``kk``, ``vk`` (kernel form, position order) where they live."""
         self._backend.write_kv(kk, vk, 0, self._kk, self._vk)
@@ -521,6 +524,26 @@ class BaseKVCache:
         cache._release()
         if meta["allocated"]:
             cache._install(cache._new_storage(cache._configured, cache._max_seq_len))
+        held = meta["seq_len"] if layer.k is not None else 0
+        readable = hasattr(layer.k, "read_into")  # tensors still in an open file
+        if (
+            held
+            and readable
+            and cache._rows_in_order
+            and isinstance(cache._k, np.ndarray)
+            and layout == meta["layout"]
+        ):
+            # straight from the file into the new buffers, CRC-checked on the way: the
+            # cache is no one's until it is returned, so a bad tensor leaves nothing behind
+            index = _layout.seq_index(layout, 0, held)
+            layer.k.read_into(cache._k[index])
+            layer.v.read_into(cache._v[index])
+            cache._set_counters(meta, held)
+            return cache
+        if readable:
+            layer = LoadedLayer(
+                meta, *(None if t is None else t.read() for t in (layer.k, layer.v))
+            )
         cache.stage_layer_state(layer, where)()
         return cache
 

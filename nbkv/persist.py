@@ -140,15 +140,15 @@ def load(path: str | os.PathLike, *, device: str = "cpu", layout: str | None = N
     """
     _format.file_path(path)
     get_backend(device, "bhsd" if layout is None else layout)  # the arguments, checked first
-    state = _format.read_file(path)
-    cls = cache_class(state.type, state.where)
-    try:
-        return cls.from_state(state, device=device, layout=layout)
-    except (ArgumentTypeError, InvalidArgumentError) as err:
-        if isinstance(err, CacheFormatError):
-            raise
-        # the arguments were checked above: what is left is the file's
-        raise CacheFormatError(f"{state.where}: {err}") from None
+    with _format.open_file(path) as state:  # tensors read straight into the new buffers
+        cls = cache_class(state.type, state.where)
+        try:
+            return cls.from_state(state, device=device, layout=layout)
+        except (ArgumentTypeError, InvalidArgumentError) as err:
+            if isinstance(err, CacheFormatError):
+                raise
+            # the arguments were checked above: what is left is the file's
+            raise CacheFormatError(f"{state.where}: {err}") from None
 
 
 def load_state(cache: Any, path: str | os.PathLike) -> None:

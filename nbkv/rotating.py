@@ -382,6 +382,8 @@ class RotatingKVCache(BaseKVCache):
                 f"{args['sinks']}, but this one has window {self._window} and sinks {self._sinks}"
             )
 
+    _rows_in_order = False  # rows go to ring slots
+
     def _write_rows(self, meta: dict, kk: Any, vk: Any) -> None:
         """Rows in position order (the sinks held, then the ring's oldest first) into
         the slots a cache that has seen ``offset`` tokens keeps them in."""
