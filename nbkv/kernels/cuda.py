@@ -15,6 +15,7 @@ from __future__ import annotations
 from numba import cuda
 
 __all__ = [
+    "unravel",
     "write_cache_kernel",
     "write_cache_bshd_kernel",
     "write_kv_kernel",
@@ -23,8 +24,10 @@ __all__ = [
 
 
 @cuda.jit(device=True, inline=True)
-def _unravel(i, n1, n2, n3):
-    """Split a flat index over [n0, n1, n2, n3] (C order) into its four indices."""
+def unravel(i, n1, n2, n3):
+    """Split a flat index over [n0, n1, n2, n3] (C order) into its four indices.
+
+    A device function: callable from your own ``@cuda.jit`` kernels."""
     i3 = i % n3
     rest = i // n3
     i2 = rest % n2
@@ -42,7 +45,7 @@ def write_cache_kernel(x, pos, cache):
     """
     batch, heads, n, dim = x.shape
     for i in range(cuda.grid(1), batch * heads * n * dim, cuda.gridsize(1)):
-        b, h, s, d = _unravel(i, heads, n, dim)
+        b, h, s, d = unravel(i, heads, n, dim)
         cache[b, h, pos + s, d] = x[b, h, s, d]
 
 
@@ -55,7 +58,7 @@ def write_cache_bshd_kernel(x, pos, cache):
     """
     batch, n, heads, dim = x.shape
     for i in range(cuda.grid(1), batch * n * heads * dim, cuda.gridsize(1)):
-        b, s, h, d = _unravel(i, n, heads, dim)
+        b, s, h, d = unravel(i, n, heads, dim)
         cache[b, pos + s, h, d] = x[b, s, h, d]
 
 
@@ -68,7 +71,7 @@ def write_kv_kernel(k, v, pos, k_cache, v_cache):
     """
     batch, heads, n, dim = k.shape
     for i in range(cuda.grid(1), batch * heads * n * dim, cuda.gridsize(1)):
-        b, h, s, d = _unravel(i, heads, n, dim)
+        b, h, s, d = unravel(i, heads, n, dim)
         k_cache[b, h, pos + s, d] = k[b, h, s, d]
         v_cache[b, h, pos + s, d] = v[b, h, s, d]
 
@@ -82,6 +85,6 @@ def write_kv_bshd_kernel(k, v, pos, k_cache, v_cache):
     """
     batch, n, heads, dim = k.shape
     for i in range(cuda.grid(1), batch * n * heads * dim, cuda.gridsize(1)):
-        b, s, h, d = _unravel(i, n, heads, dim)
+        b, s, h, d = unravel(i, n, heads, dim)
         k_cache[b, pos + s, h, d] = k[b, s, h, d]
         v_cache[b, pos + s, h, d] = v[b, s, h, d]
