@@ -79,7 +79,6 @@ MAX_SIZE = 2**31 - 1  # any size or count a file may claim
 MAX_LAYERS = 100_000
 # the storage dtypes and their safetensors names
 CODES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16"}
-_SIZES = ("batch", "num_kv_heads", "head_dim")
 _PLACEHOLDER = "00000000"  # same width as a real CRC: the header is rewritten in place
 _TMP = ".nbkv-tmp"
 
@@ -331,7 +330,7 @@ def _check_layer_meta(meta: Any, i: int, where: str) -> dict:
     dtype = m.choice("dtype", ("", *CODES))
     if dtype and _st.DTYPES[CODES[dtype]] is None:
         raise m.fail("the cache holds bfloat16, which needs ml_dtypes: pip install 'nbkv[bf16]'")
-    sizes = [m.optional_int(field) for field in _SIZES]
+    sizes = [m.optional_int(field) for field in _layout.SIZES]
     m.int("seq_len")
     allocated = m.choice("allocated", (True, False))
     if allocated and (not dtype or None in sizes):

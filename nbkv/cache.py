@@ -240,22 +240,6 @@ class LayerKVCache(BaseKVCache):
 
     # -- sequence management -----------------------------------------------------------
 
-    def crop(self, new_len: int) -> None:
-        """Keep the first ``new_len`` positions; no data moves.
-
-        Raises
-        ------
-        InvalidArgumentError
-            ``new_len`` below 0 or above ``seq_len``.
-        """
-        new_len = nonnegative_int(new_len, "new_len")
-        if new_len > self._seq_len:
-            raise InvalidArgumentError(
-                f"new_len must be at most seq_len = {self._seq_len} (crop only shortens), "
-                f"got {new_len}"
-            )
-        self._seq_len = new_len
-
     def trim(self, n: int) -> int:
         """Drop the last ``n`` positions (all of them if fewer are held); return how many.
 

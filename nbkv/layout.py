@@ -17,12 +17,24 @@ from typing import NamedTuple
 
 from .errors import InvalidArgumentError
 
-__all__ = ["LAYOUTS", "SEQ_AXIS", "Dims", "check_layout", "dims", "buffer_shape", "seq_index"]
+__all__ = [
+    "LAYOUTS",
+    "SEQ_AXIS",
+    "SIZES",
+    "Dims",
+    "check_layout",
+    "dims",
+    "buffer_shape",
+    "seq_index",
+]
 
 LAYOUTS = ("bhsd", "bshd")
 
 # position of the seq and head axes in each layout
 SEQ_AXIS = {"bhsd": 2, "bshd": 1}
+
+# the logical sizes a cache fixes besides its positions
+SIZES = ("batch", "num_kv_heads", "head_dim")
 
 
 class Dims(NamedTuple):

@@ -328,18 +328,6 @@ class RotatingKVCache(BaseKVCache):
         self._seq_len -= dropped
         return dropped
 
-    def crop(self, new_len: int) -> None:
-        """Keep ``new_len`` held positions, dropping the newest (``trim`` of the rest)."""
-        new_len = nonnegative_int(new_len, "new_len")
-        if new_len > self._seq_len:
-            raise InvalidArgumentError(
-                f"new_len must be at most seq_len = {self._seq_len} (crop only shortens), "
-                f"got {new_len}"
-            )
-        self.trim(self._seq_len - new_len)
-
-    # -- state (nbkv.protocol) -----------------------------------------------------------
-
     def _meta(self) -> dict:
         meta = super()._meta()
         meta.update(
