@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..backends import to_host
 from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..launch import AttentionGrid, attention_grid, attention_scratch_shapes
 
@@ -88,8 +89,8 @@ def launch_attention(
     return Launch(
         grid,
         cuda_attention.THREADS,
-        out.copy_to_host(),
-        part_acc.copy_to_host(),
-        part_stats.copy_to_host(),
-        counters.copy_to_host(),
+        to_host(out),
+        to_host(part_acc),
+        to_host(part_stats),
+        to_host(counters),
     )
