@@ -66,6 +66,8 @@ __all__ = [
     "write_file",
     "read_file",
     "open_file",
+    "check_loaded",
+    "check_loaded_layer",
     "FileTensor",
     "meta_dtype",
     "in_layout",
@@ -202,7 +204,12 @@ def _host_tag() -> str:
 
 
 def _remove_stale(folder: str, base: str) -> None:
-    """Remove temporary files of ``base`` that dead processes of this host left behind."""
+    """Remove temporary files of ``base`` that dead processes of this host left behind.
+
+    POSIX only: there ``os.kill(pid, 0)`` asks whether a process lives; on Windows it
+    would terminate it, so nothing is removed there."""
+    if os.name == "nt":
+        return
     prefix, tag = f".{base}.", _host_tag()
     try:
         names = os.listdir(folder)
@@ -317,9 +324,8 @@ def _check_header_crc(raw: bytes, metadata: dict, where: str) -> None:
         )
 
 
-def _check_layer_meta(meta: Any, i: int, where: str) -> dict:
+def _check_layer_meta(meta: Any, here: str) -> dict:
     """The fields every layer meta has, checked; the type's own are its class's to check."""
-    here = f"{where} (layer {i})"
     if not isinstance(meta, dict):
         raise CacheFormatError(f"{here}: a layer's metadata must be a JSON object")
     m = MetaReader(meta, here)
@@ -338,6 +344,50 @@ def _check_layer_meta(meta: Any, i: int, where: str) -> dict:
     if not allocated and meta["seq_len"]:
         raise m.fail(f"the layer is not allocated but holds seq_len {meta['seq_len']}")
     return meta
+
+
+def check_loaded_layer(layer: Any, i: int | None, where: str) -> LoadedLayer:
+    """Check one layer of a state from anywhere (a file, or a caller's own transport):
+    its meta's common fields, and tensors of exactly the shape and dtype it describes
+    (none for a layer never allocated). CacheFormatError naming what is wrong."""
+    if not isinstance(layer, LoadedLayer):
+        raise ArgumentTypeError(
+            f"a state's layers must be nbkv.protocol.LoadedLayer, got {type(layer).__name__}"
+        )
+    here = where if i is None else f"{where} (layer {i})"
+    meta = _check_layer_meta(layer.meta, here)
+    if not meta["allocated"]:
+        if layer.k is not None or layer.v is not None:
+            raise CacheFormatError(f"{here}: a layer never allocated holds no tensors")
+        return layer
+    want, dtype = _layer_shape(meta), meta_dtype(meta)
+    for which, t in (("k", layer.k), ("v", layer.v)):
+        if not (isinstance(t, np.ndarray) or isinstance(t, FileTensor)):
+            raise CacheFormatError(
+                f"{here}: tensor {which} must be a host array of shape {want}, got "
+                f"{type(t).__name__}"
+            )
+        if tuple(t.shape) != want or np.dtype(t.dtype) != dtype:
+            raise CacheFormatError(
+                f"{here}: tensor {which} is {t.dtype} of shape {tuple(t.shape)}, but the meta "
+                f"says {dtype} of shape {want} (seq_len {meta['seq_len']})"
+            )
+    return layer
+
+
+def check_loaded(state: Any) -> LoadedState:
+    """Check a whole state (see :func:`check_loaded_layer`): what every import runs."""
+    if not isinstance(state, LoadedState):
+        raise ArgumentTypeError(
+            f"state must be an nbkv.protocol.LoadedState, got {type(state).__name__}"
+        )
+    if not isinstance(state.type, str) or not isinstance(state.layers, list):
+        raise CacheFormatError(f"{state.where}: a state has a type name and a list of layers")
+    if not 0 < len(state.layers) <= MAX_LAYERS:
+        raise CacheFormatError(f"{state.where}: a state holds 1 to {MAX_LAYERS} layers")
+    for i, layer in enumerate(state.layers):
+        check_loaded_layer(layer, i, state.where)
+    return state
 
 
 def _parse(raw: bytes, data_len: int, where: str) -> tuple[str, list[dict], dict, dict]:
@@ -369,7 +419,7 @@ def _parse(raw: bytes, data_len: int, where: str) -> tuple[str, list[dict], dict
     layers = cache.get("layers")
     if not isinstance(layers, list) or not 0 < len(layers) <= MAX_LAYERS:
         raise CacheFormatError(f"{where}: metadata cache must hold 1 to {MAX_LAYERS} layers")
-    metas = [_check_layer_meta(meta, i, where) for i, meta in enumerate(layers)]
+    metas = [_check_layer_meta(meta, f"{where} (layer {i})") for i, meta in enumerate(layers)]
     crc = _st.loads(metadata["crc32"].encode(), f"{where} (metadata crc32)", CacheFormatError)
     if not isinstance(crc, dict) or not all(
         isinstance(v, str) and re.fullmatch(r"[0-9a-f]{8}", v) for v in crc.values()

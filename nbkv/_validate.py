@@ -52,7 +52,12 @@ def batch_indices(indices: object, batch: int, name: str, length: int | None) ->
         raise ArgumentTypeError(
             f"{name} must be a sequence of ints, got {type(indices).__name__} {indices!r}"
         )
-    arr = np.asarray(indices)
+    try:
+        arr = np.asarray(indices)
+    except (TypeError, ValueError) as err:  # ragged lists, objects numpy cannot read
+        raise ArgumentTypeError(
+            f"{name} must be a 1-D sequence of ints, got {type(indices).__name__} ({err})"
+        ) from None
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ArgumentTypeError(
             f"{name} must be a 1-D sequence of ints, got shape {arr.shape}, dtype {arr.dtype}"

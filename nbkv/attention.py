@@ -8,7 +8,11 @@ is built over unused capacity. A cache is reached through the cache protocol
 
 NaN and infinities flow through as IEEE arithmetic says, never as an exception: a NaN
 query (or key it sees) gives NaN out, a ``-inf`` score gets weight 0, and a row that sees
-nothing finite gives NaN, as torch's ``scaled_dot_product_attention`` does.
+nothing finite gives NaN, as torch's ``scaled_dot_product_attention`` does. As in the
+matrix products of torch and of :func:`nbkv.reference.attention`, a NaN or infinity in
+V multiplies every weight of its position, 0 included (0 * NaN is NaN): V rows the
+kernel reads for a query's block reach that query even where masked; rows of positions
+no query of the call can see (before a window) are never read.
 """
 
 from __future__ import annotations
@@ -62,9 +66,12 @@ def _check_options(scale: Any, causal: Any, window: Any) -> tuple[Any, bool, int
             raise ArgumentTypeError(
                 f"scale must be None or a real number, got {type(scale).__name__} {scale!r}"
             )
+        try:
+            scale = float(scale)
+        except OverflowError:
+            scale = math.inf
         if not math.isfinite(scale):
-            raise InvalidArgumentError(f"scale must be finite, got {scale}")
-        scale = float(scale)
+            raise InvalidArgumentError(f"scale must be a finite real number, got {scale}")
     return scale, bool(causal), window
 
 

@@ -301,7 +301,18 @@ class BaseKVCache(StateMixin):
         """Every check ``append(k, v)`` makes; changes nothing."""
         k, v, d, dtype = self._check_pair(k, v)
         self._check_room(d.seq, "append")
-        return AppendPlan(k, v, d, dtype, self.offset, self._held_after(d.seq))
+        return AppendPlan(k, v, d, dtype, self.offset, self._held_after(d.seq), self._stage_key())
+
+    def _stage_key(self) -> tuple:
+        """What a plan is valid for: this cache, its counters and its buffers."""
+        return (id(self), self.offset, self._seq_len, self._max_seq_len, id(self._k))
+
+    def _check_key(self, key: tuple, what: str) -> None:
+        if key != self._stage_key():
+            raise InvalidArgumentError(
+                f"this {what} was made for another state of the cache (or another cache): "
+                "it changed since; prepare the append again"
+            )
 
     def _held_after(self, n: int) -> int:
         """Hook: positions held after an append of ``n``."""
@@ -319,6 +330,7 @@ class BaseKVCache(StateMixin):
     def stage_append(self, plan: AppendPlan) -> StagedAppend:
         """Allocate what the append needs (and copy new inputs to the device), changing
         nothing; ``fused`` gives the buffers and slot a fused kernel writes."""
+        self._check_key(plan.key, "plan")
         storage = self._storage_for(plan)
         be = self._backend
         k, v = be.to_device(plan.k), be.to_device(plan.v)
@@ -326,15 +338,16 @@ class BaseKVCache(StateMixin):
             fused = (storage.k, storage.v, self._seq_len)
         else:
             fused = None if self._k is None else (self._k, self._v, self._seq_len)
-        return StagedAppend(plan, k, v, fused, storage)
+        return StagedAppend(plan, k, v, fused, storage, plan.key)
 
     def commit_append(
         self, staged: StagedAppend, *, written: bool = False, undoable: bool = False
     ) -> Callable[[], None] | None:
         """Write the staged positions after those held (unless a fused kernel has,
         ``written=True``) and hold them. With ``undoable``, return what puts it back."""
+        self._check_key(staged.key, "staged append")
         n = staged.plan.dims.seq
-        held = self._seq_len
+        held, capacity = self._seq_len, self._max_seq_len
         old = self._current_storage() if undoable and staged.storage is not None else None
         if staged.storage is not None:
             self._install(staged.storage)
@@ -353,6 +366,7 @@ class BaseKVCache(StateMixin):
             if staged.storage is not None:
                 if old is None:
                     self._release()
+                    self._max_seq_len = capacity  # a lazy cache's growth, undone too
                 else:
                     self._install(old)
             self._seq_len = held
@@ -417,6 +431,10 @@ class BaseKVCache(StateMixin):
 
     def trim(self, n: int) -> int:
         """Hook: drop the last ``n`` held positions; return how many (see the subclass)."""
+        raise NotImplementedError
+
+    def offset_after_trim(self, n: int) -> int:
+        """Hook: the ``offset`` that ``trim(n)`` would leave, changing nothing."""
         raise NotImplementedError
 
     def clear(self) -> None:

@@ -240,6 +240,10 @@ class LayerKVCache(BaseKVCache):
 
     # -- sequence management -----------------------------------------------------------
 
+    def offset_after_trim(self, n: int) -> int:
+        """The ``offset`` (here ``seq_len``) that ``trim(n)`` would leave; nothing changes."""
+        return self._seq_len - min(nonnegative_int(n, "n"), self._seq_len)
+
     def trim(self, n: int) -> int:
         """Drop the last ``n`` positions (all of them if fewer are held); return how many.
 

@@ -20,10 +20,10 @@ from .cache import DEFAULT_MAX_SEQ_LEN, LayerKVCache
 from .errors import ArgumentTypeError, CacheFormatError, InvalidArgumentError, LayerIndexError
 from .protocol import (
     CacheState,
+    LayerCache,
     LoadedState,
     cache_class,
     cache_type_of,
-    is_layer_cache,
     register_cache_type,
 )
 
@@ -78,7 +78,7 @@ class KVCache:
             layers = list(layers)
         except TypeError:
             raise not_iterable from None
-        bad = next((x for x in layers if not is_layer_cache(x)), None)
+        bad = next((x for x in layers if not isinstance(x, LayerCache)), None)
         if not layers or bad is not None:
             got = "none" if not layers else type(bad).__name__
             raise ArgumentTypeError(
@@ -121,7 +121,8 @@ class KVCache:
 
     @property
     def seq_len(self) -> int:
-        """Positions held by every layer (the minimum over layers)."""
+        """Rows every layer holds (the minimum over layers; a ring holds fewer rows than
+        the tokens it has seen: see :attr:`offset`)."""
         return min(layer.seq_len for layer in self._layers)
 
     @property
@@ -174,23 +175,53 @@ class KVCache:
             layer.deallocate()
 
     def crop(self, new_len: int) -> None:
-        """Keep the first ``new_len`` positions of every layer (at most ``seq_len``)."""
+        """Roll every layer back to ``new_len`` tokens seen (``offset``), dropping the
+        newest positions (for layers that hold every token, keep the first ``new_len``).
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``new_len`` above what every layer has seen, or a layer that cannot go back
+            there (a ring keeps only its window: what it forgot cannot come back).
+        """
         new_len = nonnegative_int(new_len, "new_len")
-        if new_len > self.seq_len:
+        if new_len > self.offset:
             raise InvalidArgumentError(
-                f"new_len must be at most seq_len = {self.seq_len} (crop only shortens), "
+                f"new_len must be at most offset = {self.offset} (crop only shortens), "
                 f"got {new_len}"
             )
-        for layer in self._layers:
-            layer.crop(new_len)
+        drops = [layer.offset - new_len for layer in self._layers]
+        self._check_ends(drops, [new_len] * len(self._layers), f"crop({new_len})")
+        for layer, n in zip(self._layers, drops, strict=True):
+            layer.trim(n)
 
     def trim(self, n: int) -> int:
-        """Drop the last ``n`` positions of every layer; return how many ``seq_len`` lost."""
+        """Drop the last ``n`` positions of every layer; return how many ``seq_len`` lost.
+
+        Raises
+        ------
+        InvalidArgumentError
+            Layers that have seen the same tokens would end at different ones (a ring
+            trimmed into its sinks falls back to them; the other layers would not).
+        """
         n = nonnegative_int(n, "n")
         before = self.seq_len
+        if len({layer.offset for layer in self._layers}) == 1:
+            ends = [layer.offset_after_trim(n) for layer in self._layers]
+            self._check_ends([n] * len(self._layers), [ends[0]] * len(ends), f"trim({n})")
         for layer in self._layers:
             layer.trim(n)
         return before - self.seq_len
+
+    def _check_ends(self, drops: list[int], wanted: list[int], what: str) -> None:
+        """Raise unless ``trim(drops[i])`` leaves layer ``i`` at ``wanted[i]`` tokens seen."""
+        for i, (layer, n, want) in enumerate(zip(self._layers, drops, wanted, strict=True)):
+            got = layer.offset_after_trim(n)
+            if got != want:
+                raise InvalidArgumentError(
+                    f"{what} would leave layer {i} at offset {got}, not {want}: a ring "
+                    "cannot go back past what it has forgotten, and the layers must agree"
+                )
 
     def reorder(self, indices: Any) -> None:
         """``reorder`` of every layer; the indices are checked against every layer first."""
@@ -242,6 +273,7 @@ class KVCache:
     @classmethod
     def from_state(cls, state: LoadedState, *, device: str = "cpu", layout: str | None = None):
         """A new KVCache holding ``state``: each layer built by the class its type names."""
+        _format.check_loaded(state)
         if state.type != cls.state_type:
             raise CacheFormatError(f"{state.where} holds a {state.type}, not a {cls.state_type}")
         layers = []
@@ -258,6 +290,7 @@ class KVCache:
         self._stage(state, commit=False)
 
     def _stage(self, state: LoadedState, commit: bool) -> None:
+        _format.check_loaded(state)
         if state.type != self.state_type:
             raise CacheFormatError(
                 f"{state.where} holds a {state.type}, but this cache is a {self.state_type}"

@@ -92,8 +92,10 @@ def save(path: str | os.PathLike, cache: Any) -> None:
 def load(path: str | os.PathLike, *, device: str = "cpu", layout: str | None = None) -> Any:
     """Load a cache written by :func:`save`: a new cache of the type saved.
 
-    The file is read once and checked in full (structure, checksums, every field,
-    tensor shapes) before a cache is built; nothing half filled escapes.
+    The file is opened once; its header is checked in full (structure, its checksum,
+    every field, tensor shapes against the bytes the file holds) before a cache is
+    built, and each tensor's CRC32 as it is read straight into the new buffers. A bad
+    file raises before the cache is returned: nothing half filled escapes.
 
     Parameters
     ----------

@@ -5,7 +5,20 @@
 adapter talk to a layer cache through the methods below and nothing else: never through
 its underscore members, never by switching on its type. A new cache type is one new
 module that implements them (:class:`nbkv.LayerKVCache` and :class:`nbkv.RotatingKVCache`
-are the two siblings that do, on the shared :class:`nbkv.BaseKVCache`).
+are the two siblings that do, on the shared :class:`nbkv.BaseKVCache`). The whole of
+it is :class:`LayerCache`; the groups:
+
+What a layer cache is (read-only properties): ``seq_len`` (rows held), ``offset``
+(tokens seen: the next token's position), ``max_seq_len`` (rows the buffers hold),
+``batch``, ``num_kv_heads``, ``head_dim``, ``dtype`` (None while a lazy cache does not
+know them), ``device``, ``layout``, ``shape``, ``nbytes``, ``is_empty``, ``is_allocated``;
+``get_kv()`` (the positions held in order, or None) and ``to_host(x)``.
+
+Rows and rollback: ``clear()``, ``deallocate()``, ``trim(n)`` (drop the newest ``n``
+held; how many), ``offset_after_trim(n)`` (the ``offset`` that would leave, changing
+nothing: what a KVCache checks before it trims layers of different types), ``crop(n)``,
+``check_indices(indices, length=None)``, ``reorder(indices)``, ``select(indices)``,
+``copy()``.
 
 Appending, in three steps, so that a caller can check everything before anything changes
 and fuse the write into another kernel:
@@ -17,14 +30,21 @@ and fuse the write into another kernel:
     Allocates whatever the append needs (the first buffers of a lazy cache, the larger
     buffers of a growth, with the positions held copied in) without changing the cache:
     if it raises (out of memory), the cache is exactly as it was. ``staged.fused`` is
-    ``(k_buffer, v_buffer, pos)``, kernel-form buffers in which the ``n`` new positions
-    belong at ``[pos, pos + n)``, for a kernel that writes them itself; or ``None`` where
-    positions are not contiguous slots (a ring).
+    ``(k_buffer, v_buffer, pos)``, the user-form buffers (as ``get_kv`` sees them) in
+    which the ``n`` new positions belong at ``[pos, pos + n)``, for a kernel that writes
+    them itself; or ``None`` where positions are not contiguous slots (a ring).
 ``commit_append(staged, *, written=False, undoable=False) -> undo``
     Makes the new positions held: writes them (unless ``written``: a fused kernel did),
-    installs staged buffers, moves the cursor. Allocates nothing, so it does not fail on
-    memory. With ``undoable=True`` it returns a function that puts the cache back as it
-    was before the commit (a ring saves the rows it overwrites first); else ``None``.
+    installs staged buffers, moves the cursor. Allocates nothing (but that an undoable
+    commit of a ring copies the rows it will overwrite first, before any write), so it
+    does not fail on memory after it has changed anything. With ``undoable=True`` it
+    returns a function that puts the cache back as it was before the commit; else
+    ``None``.
+
+A plan and a staged append belong to the cache and the state they were made for: any
+change in between (another append, a trim, a growth, another cache) makes
+``stage_append`` / ``commit_append`` raise :class:`~nbkv.InvalidArgumentError` rather
+than write where the plan no longer fits.
 
 ``append(k, v, *, undoable=False)`` is the three in a row (a LayerKVCache adds a fast
 path for the decode loop), returning the undo function when asked. ``check_room(n)`` raises
@@ -56,6 +76,14 @@ State, for persistence (``nbkv.save``/``load``/``load_state``) and any other tra
 ``import_state(state)``
     Replace what the cache holds with ``state``, keeping its own device, layout and
     capacity; everything checked first, all or nothing.
+``from_layer_state(layer, where, *, device, layout)`` (classmethod),
+``check_layer_state(layer, where)``, ``stage_layer_state(layer, where) -> commit``
+    The same, one :class:`LoadedLayer` at a time, for a container (a KVCache checks and
+    stages every layer before it commits any). ``stage_layer_state`` makes every buffer
+    and device copy first; the function it returns only writes.
+
+A state from anywhere (not only a file) is checked before it is used: the common meta
+fields, and tensors of exactly the shape and dtype the meta describes.
 
 Every layer meta holds at least ``type``, ``layout``, ``dtype`` (``""`` while unknown),
 ``batch``, ``num_kv_heads``, ``head_dim`` (``None`` while unknown), ``seq_len`` (rows held)
@@ -113,6 +141,7 @@ class AppendPlan(NamedTuple):
     dtype: np.dtype  # the cache's logical dtype for them
     pos: int  # tokens seen before the append: the first new position
     held_after: int  # positions held once it is committed
+    key: tuple  # the cache and its state it was made for: a stale plan is refused
 
 
 class StagedAppend(NamedTuple):
@@ -123,6 +152,7 @@ class StagedAppend(NamedTuple):
     v: Any
     fused: tuple[Any, Any, int] | None  # (k_buffer, v_buffer, pos) for a fused kernel
     storage: Any  # the cache's own: buffers to install on commit, or None
+    key: tuple  # as AppendPlan.key: commit_append refuses a staged append gone stale
 
 
 class AttentionView(NamedTuple):
@@ -168,13 +198,43 @@ class LoadedState(NamedTuple):
 
 @runtime_checkable
 class LayerCache(Protocol):
-    """The methods every layer cache implements (see the module docstring)."""
+    """Every member a layer cache has (grouped and explained in the module docstring)."""
 
-    @property
-    def seq_len(self) -> int: ...
+    seq_len: int
+    offset: int
+    max_seq_len: int
+    batch: int | None
+    num_kv_heads: int | None
+    head_dim: int | None
+    dtype: np.dtype | None
+    device: str
+    layout: str
+    shape: tuple | None
+    nbytes: int
+    is_empty: bool
+    is_allocated: bool
 
-    @property
-    def offset(self) -> int: ...
+    def get_kv(self) -> tuple[Any, Any] | None: ...
+
+    def to_host(self, x: Any) -> np.ndarray: ...
+
+    def clear(self) -> None: ...
+
+    def deallocate(self) -> None: ...
+
+    def trim(self, n: int) -> int: ...
+
+    def offset_after_trim(self, n: int) -> int: ...
+
+    def crop(self, new_len: int) -> None: ...
+
+    def check_indices(self, indices: Any, length: int | None = None) -> list[int]: ...
+
+    def reorder(self, indices: Any) -> None: ...
+
+    def select(self, indices: Any) -> Any: ...
+
+    def copy(self) -> Any: ...
 
     def prepare_append(self, k: Any, v: Any) -> AppendPlan: ...
 
@@ -192,12 +252,32 @@ class LayerCache(Protocol):
 
     def export_state(self) -> CacheState: ...
 
+    @classmethod
+    def from_state(cls, state: LoadedState, *, device: str = "cpu", layout: str | None = None): ...
+
+    @classmethod
+    def from_layer_state(
+        cls, layer: LoadedLayer, where: str, *, device: str = "cpu", layout: str | None = None
+    ): ...
+
+    def check_state(self, state: LoadedState) -> None: ...
+
+    def check_layer_state(self, layer: LoadedLayer, where: str) -> None: ...
+
+    def stage_layer_state(self, layer: LoadedLayer, where: str) -> Callable[[], None]: ...
+
     def import_state(self, state: LoadedState) -> None: ...
+
+    def load_state(self, path: Any) -> None: ...
 
 
 def is_layer_cache(x: object) -> bool:
-    """Whether ``x`` speaks the layer-cache protocol (duck-typed: cheap on hot paths)."""
-    return hasattr(type(x), "attention_view") and hasattr(type(x), "prepare_append")
+    """Whether ``x`` looks like a layer cache to attention: a cheap check for hot paths
+    (``isinstance(x, LayerCache)`` checks every member, as ``KVCache.from_layers`` does)."""
+    t = type(x)
+    return all(
+        hasattr(t, name) for name in ("attention_view", "prepare_append", "device", "layout")
+    )
 
 
 # -- the registry of cache types the file format knows -------------------------------

@@ -191,6 +191,7 @@ class RotatingKVCache(BaseKVCache):
         """
         if written:
             raise InvalidArgumentError("a ring takes no fused write: stage_append gave none")
+        self._check_key(staged.key, "staged append")
         n = staged.plan.dims.seq
         counters = (self._seq_len, self._offset, self._sink_count, self._ring_count)
         old = self._current_storage()
@@ -296,6 +297,17 @@ class RotatingKVCache(BaseKVCache):
         not matter to a softmax), else the ordered copy."""
         if self._seq_len == 0:
             raise self._no_positions()
+        # the first query of a chunk sees the ring's span (or a narrower window) back
+        # from itself: the ring must still hold that, not have overwritten it
+        oldest = self._offset - self._ring_count  # the oldest ring position held
+        span = self._ring if window is None else min(window, self._ring)
+        needs = max(self._sinks, self._offset - n_q - span + 1)
+        if n_q > 1 and self._ring_count and oldest > needs:
+            raise InvalidArgumentError(
+                f"a chunk of {n_q} queries over this ring would miss positions it has "
+                f"overwritten: it holds positions from {oldest} on, and its first query "
+                f"needs them from {needs}; once a ring is full, give it one token a step"
+            )
         n = self._prefix()
         be = self._backend
         if n_q == 1 and n is not None and (window is None or window >= n):
@@ -308,6 +320,14 @@ class RotatingKVCache(BaseKVCache):
         )
 
     # -- sequence management -----------------------------------------------------------
+
+    def offset_after_trim(self, n: int) -> int:
+        """The ``offset`` that ``trim(n)`` would leave (nothing changes)."""
+        dropped = min(nonnegative_int(n, "n"), self._seq_len)
+        from_ring = min(dropped, self._ring_count)
+        if dropped > from_ring:
+            return self._sink_count - (dropped - from_ring)
+        return self._offset - from_ring
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` held positions, newest first and sinks last; return how many.

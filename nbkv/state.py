@@ -89,6 +89,7 @@ class StateMixin:
 
     @classmethod
     def _one_layer(cls, state: LoadedState) -> LoadedLayer:
+        _format.check_loaded(state)
         if len(state.layers) != 1 or state.type != cls.state_type:
             raise CacheFormatError(
                 f"{state.where} holds a {state.type} of {len(state.layers)} layer(s), but "
@@ -119,6 +120,7 @@ class StateMixin:
         cls, layer: LoadedLayer, where: str, *, device: str = "cpu", layout: str | None = None
     ):
         """A new cache of this type holding one layer of a state (what KVCache loads)."""
+        _format.check_loaded_layer(layer, None, where)
         args = cls._checked_args(layer, where)
         meta = layer.meta
         layout = meta["layout"] if layout is None else _layout.check_layout(layout)
@@ -165,6 +167,7 @@ class StateMixin:
 
     def check_layer_state(self, layer: LoadedLayer, where: str) -> None:
         """:meth:`check_state` for one layer of a state (what KVCache checks)."""
+        _format.check_loaded_layer(layer, None, where)
         args = self._checked_args(layer, where)
         meta = layer.meta
         for field in _layout.SIZES:

@@ -399,7 +399,7 @@ def test_a_forward_pass_that_fails_part_way_puts_every_layer_back(monkeypatch):
         real = llama.attention
         monkeypatch.setattr(llama, "attention", _failing_on_the_second_call(real))
         with pytest.raises(MemoryError, match="injected"):
-            model.forward([[9, 10]], cache)
+            model.forward([[9]], cache)  # a full ring takes one token a step
         monkeypatch.setattr(llama, "attention", real)
         assert cache.offset == before[1]
         for layer, b in zip(cache, before[0], strict=True):
@@ -472,3 +472,154 @@ def test_a_wrapped_ring_returns_a_copy_never_a_view(rng):
         assert not np.shares_memory(K, K_again)
     ring.append(k[:, :, :1], k[:, :, :1])  # writing the cache does not change the copy
     assert_bits_equal(K, k[:, :, [0, 4, 5, 6]])
+
+
+# -- found by a review of the protocol change --------------------------------------------
+
+
+def test_a_state_whose_tensors_disagree_with_its_meta_is_refused_and_changes_nothing(rng):
+    from nbkv.protocol import LoadedLayer, LoadedState
+
+    cache, K, V = filled(rng, 3, 4)
+    meta = cache.export_state().layers[0].meta
+    before = snapshot(cache)
+    k40 = randn(rng, (1, 2, 40, 4), "float32")
+    bad = [
+        LoadedLayer(meta, k40, k40),  # 40 rows under a meta that says 3
+        LoadedLayer(meta | {"seq_len": 5}, K, V),  # 5 rows said, 3 given
+        LoadedLayer({k: v for k, v in meta.items() if k != "type"}, K, V),
+        LoadedLayer({k: v for k, v in meta.items() if k != "layout"}, K, V),
+        LoadedLayer(meta | {"dtype": "float8"}, K, V),
+        LoadedLayer(meta, K.astype(np.float64), V),
+        LoadedLayer(meta | {"allocated": False, "seq_len": 0}, K, V),
+        LoadedLayer(meta, K.tolist(), V),
+    ]
+    for layer in bad:
+        state = LoadedState("LayerKVCache", [layer], "a state")
+        for call in (
+            lambda s=state: cache.import_state(s),
+            lambda s=state: nbkv.LayerKVCache.from_state(s, device=DEVICE),
+            lambda s=state: nbkv.KVCache.from_state(
+                nbkv.protocol.LoadedState("KVCache", s.layers, "x")
+            ),
+        ):
+            with pytest.raises(nbkv.CacheFormatError):
+                call()
+        assert_same(before, snapshot(cache))
+    with pytest.raises(nbkv.ArgumentTypeError):
+        cache.import_state({"type": "LayerKVCache"})
+
+
+def test_a_stale_plan_or_staged_append_is_refused(rng):
+    cache, K, V = filled(rng, 2, 4)
+    k = randn(rng, (1, 2, 2, 4), "float32")
+    plan = cache.prepare_append(k, k)
+    staged = cache.stage_append(cache.prepare_append(k, k))
+    cache.append(k, k)  # the cache is full now: neither plan fits any more
+    before = snapshot(cache)
+    with pytest.raises(nbkv.InvalidArgumentError, match="another state"):
+        cache.stage_append(plan)
+    with pytest.raises(nbkv.InvalidArgumentError, match="another state"):
+        cache.commit_append(staged)
+    other, _, _ = filled(rng, 2, 4)
+    with pytest.raises(nbkv.InvalidArgumentError, match="another"):
+        other.commit_append(other.stage_append(plan))
+    assert_same(before, snapshot(cache)) and cache.seq_len == 4
+    ring = nbkv.RotatingKVCache(4, batch=1, num_kv_heads=2, head_dim=4, device=DEVICE)
+    staged = ring.stage_append(ring.prepare_append(k, k))
+    ring.append(k, k)
+    with pytest.raises(nbkv.InvalidArgumentError, match="another state"):
+        ring.commit_append(staged)
+
+
+def test_a_chunk_of_queries_over_a_wrapped_ring_is_refused_not_answered_wrongly(rng):
+    ring = nbkv.RotatingKVCache(4, batch=1, num_kv_heads=1, head_dim=2, device=DEVICE)
+    K = randn(rng, (1, 1, 6, 2), "float32")
+    ring.append(K, K)  # holds positions 2..5
+    before = snapshot(ring), ring.offset
+    q2 = randn(rng, (1, 1, 2, 2), "float32")
+    with pytest.raises(nbkv.InvalidArgumentError, match="overwritten"):
+        nbkv.attention(q2, ring)  # position 4 would need position 1, gone
+    k = randn(rng, (1, 1, 2, 2), "float32")
+    with pytest.raises(nbkv.InvalidArgumentError, match="overwritten"):
+        nbkv.append_and_attend(q2, k, k, ring)
+    assert_same(before[0], snapshot(ring)) and ring.offset == before[1]
+    # a decode step, and a chunk whose window the ring still holds, are exact
+    q1 = randn(rng, (1, 1, 1, 2), "float32")
+    np.testing.assert_allclose(
+        host(nbkv.attention(q1, ring)), reference.attention(q1, K[:, :, 2:], K[:, :, 2:]), atol=3e-5
+    )
+    got = host(nbkv.attention(q2, ring, window=2))
+    np.testing.assert_allclose(
+        got, reference.attention(q2, K[:, :, 2:], K[:, :, 2:], window=2), atol=3e-5
+    )
+
+
+def test_crop_and_trim_keep_a_mixed_kvcache_at_one_offset(rng):
+    def mixed():
+        ring = nbkv.RotatingKVCache(8, sinks=1, batch=1, num_kv_heads=1, head_dim=2, device=DEVICE)
+        plain = nbkv.LayerKVCache(32, batch=1, num_kv_heads=1, head_dim=2, device=DEVICE)
+        cache = nbkv.KVCache.from_layers([plain, ring])
+        k = randn(rng, (1, 1, 20, 2), "float32")
+        for layer in cache:
+            layer.append(k, k)
+        return cache
+
+    cache = mixed()
+    cache.crop(16)  # the ring still holds 13..19: it can go back to 16
+    assert [(x.seq_len, x.offset) for x in cache] == [(16, 16), (4, 16)]
+    cache.trim(2)
+    assert [x.offset for x in cache] == [14, 14]
+    cache = mixed()
+    before = [snapshot(x) for x in cache]
+    with pytest.raises(nbkv.InvalidArgumentError, match="layer 1"):
+        cache.crop(5)  # the ring forgot 1..12: it cannot be at token 5
+    with pytest.raises(nbkv.InvalidArgumentError, match="layer 1"):
+        cache.trim(10)  # the ring would fall back to its sink
+    for x, b in zip(cache, before, strict=True):
+        assert_same(b, snapshot(x))
+
+
+@cpu_only
+def test_a_model_decodes_over_a_mix_of_a_ring_and_a_full_cache():
+    from test_models import tiny_config, tiny_weights
+
+    from nbkv.models import Llama
+
+    config = tiny_config()
+    model = Llama(config, tiny_weights(config))
+    ring = model.new_cache(window=4, sinks=1)[0]
+    plain = model.new_cache(max_seq_len=16)[1]
+    cache = nbkv.KVCache.from_layers([ring, plain])
+    for t in range(9):  # the ring fills at 4 and keeps going
+        model.forward([[5 + t]], cache)
+    assert [x.offset for x in cache] == [9, 9] and [x.seq_len for x in cache] == [4, 9]
+
+
+def test_undoing_the_first_append_of_a_lazy_growing_cache_restores_its_capacity(rng):
+    cache = nbkv.LayerKVCache(2, on_overflow="grow", grow_step=8, device=DEVICE)
+    k = randn(rng, (1, 1, 5, 2), "float32")
+    undo = cache.append(k, k, undoable=True)
+    assert cache.max_seq_len == 8
+    undo()
+    assert (cache.max_seq_len, cache.is_allocated, cache.seq_len) == (2, False, 0)
+
+
+def test_an_object_with_only_some_of_the_protocol_is_not_a_layer_cache():
+    class Minimal:
+        def attention_view(self, n_q, window): ...
+
+        def prepare_append(self, k, v): ...
+
+    with pytest.raises(nbkv.ArgumentTypeError, match="layer caches"):
+        nbkv.KVCache.from_layers([Minimal()])
+    with pytest.raises(nbkv.ArgumentTypeError, match="kv must be"):
+        nbkv.attention(np.ones((1, 1, 1, 2), np.float32), Minimal())
+
+
+def test_huge_scales_and_ragged_indices_are_typed_errors(rng):
+    cache, _, _ = filled(rng, 3, 8, batch=2)
+    with pytest.raises(nbkv.InvalidArgumentError, match="scale"):
+        nbkv.attention(randn(rng, (2, 2, 1, 4), "float32"), cache, scale=10**400)
+    with pytest.raises(nbkv.ArgumentTypeError, match="indices"):
+        cache.reorder([[0], [0, 1]])

@@ -245,6 +245,10 @@ class RotatingMachine(RuleBasedStateMachine):
             with pytest.raises(nbkv.ShapeMismatchError, match="queries"):
                 nbkv.append_and_attend(q, k, k, self.cache, window=window)
             return
+        if n_q > 1 and self.misses(n, n_q, window):
+            with pytest.raises(nbkv.InvalidArgumentError, match="overwritten"):
+                nbkv.append_and_attend(q, k, k, self.cache, window=window)
+            return  # and nothing changed: the invariant checks it
         out = host(nbkv.append_and_attend(q, k, k, self.cache, window=window))
         self.positions += list(range(self.offset, self.offset + n))
         self.rows = np.concatenate([self.rows, k], axis=2)
@@ -252,6 +256,17 @@ class RotatingMachine(RuleBasedStateMachine):
         self.retain()
         want = reference.attention(q, self.rows, self.rows, window=window)
         np.testing.assert_allclose(out, want, rtol=0, atol=5e-5)
+
+    def misses(self, n, n_q, window):
+        """Whether, after appending ``n``, the first of ``n_q`` queries would need a
+        position the ring no longer holds (the span it sees: the ring, or the window)."""
+        offset, ring = self.offset + n, self.window - self.sinks
+        positions = self.positions + list(range(self.offset, offset))
+        ring_held = sorted(p for p in positions if p >= self.sinks)[-ring:] if ring else []
+        if not ring_held:
+            return False
+        span = ring if window is None else min(window, ring)
+        return ring_held[0] > max(self.sinks, offset - n_q - span + 1)
 
     @rule(n=st.integers(1, 9), data=st.data())
     def a_fault_changes_nothing(self, n, data):

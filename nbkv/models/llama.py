@@ -640,10 +640,10 @@ class Llama:
                 f"cache has {cache.num_layers} layers but the model has "
                 f"{c.num_hidden_layers}; build it with model.new_cache(...)"
             )
-        lengths = sorted({layer.seq_len for layer in cache})
-        if len(lengths) > 1:
+        seen = sorted({layer.offset for layer in cache})
+        if len(seen) > 1:
             raise InvalidArgumentError(
-                f"cache layers hold different seq_len ({lengths}), as after an "
+                f"cache layers have seen different numbers of tokens ({seen}), as after an "
                 "interrupted forward pass; clear() the cache"
             )
         want = (batch, c.num_key_value_heads, c.head_dim, _F32, cache.layout)
