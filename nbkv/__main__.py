@@ -1,10 +1,12 @@
-"""The command line: ``python -m nbkv demo``, ``append-demo`` and ``info``.
+"""The command line: ``python -m nbkv demo``, ``append-demo``, ``eval`` and ``info``.
 
 ``demo`` runs :func:`nbkv.demo.run_model_demo` (greedy decoding with the built-in model,
 with an nbkv cache and recomputing without one, timed and plotted); ``append-demo`` runs
 :func:`nbkv.demo.run_append_demo` (a synthetic prefill and decode loop of appends, timed
-against NumPy); ``info`` prints versions, supported dtypes and the state of CUDA. This
-module only parses arguments: the logic lives in :mod:`nbkv.demo`. Bad input is reported
+against NumPy); ``eval`` scores a model's held-out bits per byte through the cache
+(:mod:`nbkv.models.evaluate`); ``info`` prints versions, supported dtypes and the state
+of CUDA. This module only parses arguments: the logic lives in :mod:`nbkv.demo` and
+:mod:`nbkv.models.evaluate`. Bad input is reported
 as ``error: ...`` with exit status 2.
 """
 
@@ -48,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m nbkv", description="nbkv: a KV cache for transformer decoding"
     )
-    sub = parser.add_subparsers(dest="command", metavar="{demo,append-demo,info}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,append-demo,eval,info}")
 
     demo = sub.add_parser(
         "demo",
@@ -95,8 +97,49 @@ def _parser() -> argparse.ArgumentParser:
     append.add_argument("--dtype", default="float32", help="storage dtype (float32)")
     append.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     append.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
+    evaluate = sub.add_parser(
+        "eval",
+        help="held-out bits per byte of a model, through the cache",
+        description="Score the held-out split of the standard library (the files "
+        "nbkv.models.train never trains on) with a model, through an nbkv cache: each "
+        "window of --context bytes prefilled in chunks, then decoded byte by byte. "
+        "Prints the mean bits per byte.",
+    )
+    evaluate.add_argument(
+        "--model", default=None, help="a checkpoint folder (default: the shipped model)"
+    )
+    evaluate.add_argument("--context", type=int, default=512, help="window, in bytes (512)")
+    evaluate.add_argument("--prefill", type=int, default=256, help="prefill bytes a window (256)")
+    evaluate.add_argument("--chunk", type=int, default=64, help="prefill chunk (64)")
+    evaluate.add_argument(
+        "--limit-bytes", type=int, default=None, help="stop after about this many bytes"
+    )
+    evaluate.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cache device")
     sub.add_parser("info", help="versions, dtypes and CUDA availability")
     return parser
+
+
+def _eval(args) -> int:
+    from .models import Llama
+    from .models.evaluate import held_out_bits_per_byte
+
+    if args.model is None:
+        model, name = Llama.default(device=args.device), "Llama.default() (shipped)"
+    else:
+        model, name = Llama.from_pretrained(args.model, device=args.device), args.model
+    r = held_out_bits_per_byte(
+        model,
+        limit_bytes=args.limit_bytes,
+        context=args.context,
+        prefill=args.prefill,
+        chunk=args.chunk,
+    )
+    print(
+        f"{name}: {r.bits_per_byte:.4f} bits per byte over {r.bytes:,} held-out bytes "
+        f"({r.files} files, {r.windows} windows of {args.context}, prefill {args.prefill} "
+        f"in chunks of {args.chunk}, then decode), {r.seconds:.1f} s"
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from .demo import run_append_demo, run_model_demo
     from .errors import KVCacheError
+
+    if args.command == "eval":
+        try:
+            return _eval(args)
+        except KVCacheError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
 
     run = run_model_demo if args.command == "demo" else run_append_demo
     options = {k: v for k, v in vars(args).items() if k != "command"}

@@ -347,8 +347,10 @@ def run_append_demo(
 
 # -- the model demo (python -m nbkv demo) -------------------------------------------
 
-# 64 ASCII characters: 64 tokens for the byte vocabulary of Llama.default()
-DEFAULT_PROMPT = "With a KV cache, a decoder computes the keys of each token once."
+# the start of a Python class: 88 ASCII bytes, 88 tokens of Llama.default()'s byte vocabulary
+DEFAULT_PROMPT = (
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+)
 MODEL_METHODS = ("cached", "recompute")
 _MODEL_LABELS = {
     "cached": "nbkv KV cache",
@@ -499,6 +501,13 @@ def _thread_limits(n: int | None) -> Iterator[_Threads]:
         )
 
 
+def _trained() -> str:
+    from .models import default_training_record
+
+    r = default_training_record()
+    return f"{r['held_out_bits_per_byte']:.2f} bits per byte on held-out code"
+
+
 def run_model_demo(
     *,
     new_tokens: int = 200,
@@ -528,7 +537,7 @@ def run_model_demo(
         the ones timed per token).
     prompt : str, optional
         Prompt text, encoded as UTF-8 bytes (the model's vocabulary is bytes). Default
-        :data:`DEFAULT_PROMPT` (64 bytes).
+        :data:`DEFAULT_PROMPT` (the start of a Python class, 88 bytes).
     prompt_tokens : int, optional
         Instead of text, this many random token ids from ``default_rng(seed)``.
     device : {"cpu", "cuda"}
@@ -637,7 +646,7 @@ def run_model_demo(
             f"nbkv demo: Llama.default(), {c.num_hidden_layers} layers, hidden "
             f"{c.hidden_size}, {c.num_attention_heads} query / {c.num_key_value_heads} KV "
             f"heads of head_dim {c.head_dim}, byte vocabulary ({c.vocab_size}), "
-            f"{model.num_parameters / 1e6:.1f}M parameters (seeded, untrained)"
+            f"{model.num_parameters / 1e6:.1f}M parameters, trained on Python ({_trained()})"
         )
         out(f"  prompt: {about}; then {new_tokens} new tokens, greedy; cache on {device}")
         out(f"  threads (both methods): {running.about}")
@@ -748,6 +757,7 @@ def run_model_demo(
         f"correctness: greedy tokens identical for all {new_tokens} new tokens; logits "
         f"agree to max |difference| {max_diff:.2g}"
     )
+    text = _show_text(out, ids, tokens["cached"], prompt_tokens is None)
 
     if path is not None:
         title = (
@@ -791,4 +801,20 @@ def run_model_demo(
         "warmup_s": warmup_s,
         "plot": path,
         "plot_skipped": plot_skipped,
+        "text": text,
     }
+
+
+def _show_text(out: Callable[[str], Any], prompt: np.ndarray, new: np.ndarray, show: bool) -> str:
+    """Print the prompt and the decoded bytes as text (the vocabulary is bytes); return it."""
+    text = bytes(np.concatenate([prompt, new]).astype(np.uint8).tolist()).decode("utf-8", "replace")
+    if not show:
+        return text
+    cut = len(bytes(prompt.astype(np.uint8).tolist()).decode("utf-8", "replace"))
+    out("text: '|' the prompt, '+' lines with what both methods decoded (identically):")
+    at = 0
+    for line in text.splitlines(keepends=True):
+        mark = "|" if at + len(line) <= cut else "+"
+        out(f"  {mark} {line.rstrip(chr(10))}")
+        at += len(line)
+    return text

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 
@@ -142,18 +141,14 @@ def test_sliding_window_cached_matches_recompute(rng):
     np.testing.assert_allclose(unwindowed[:, :4], want[:, :4], rtol=RTOL, atol=ATOL)
 
 
-def test_default_model_is_deterministic_varied_and_cache_consistent():
+def test_default_model_is_the_shipped_one_and_cache_consistent():
+    # (what it learned is in tests/test_default_model.py; the random model is Llama.seeded)
     model = Llama.default()
     assert model.config.vocab_size == 256 and model.config.num_key_value_heads == 2
-    prompt = np.frombuffer(b"The quick brown ", np.uint8).astype(np.int64)
+    prompt = np.frombuffer(b"def main():\n    ", np.uint8).astype(np.int64)
     out = model.generate(prompt, 48, eos_token_id=None)
     assert out.shape == (1, 64) and out.dtype == np.int64
-    assert np.array_equal(out[0, :16], prompt)
-    again = Llama.default().generate(prompt, 48, eos_token_id=None)
-    np.testing.assert_array_equal(out, again)
-    new = out[0, 16:].tolist()
-    assert len(set(new)) > 24, new  # not one token (or a short cycle) forever
-    assert max(len(list(run)) for _, run in itertools.groupby(new)) <= 4, new
+    np.testing.assert_array_equal(out, Llama.default().generate(prompt, 48, eos_token_id=None))
     # greedy from the cache is greedy from recomputation
     full = model.forward_nocache(out[:, :-1])
     np.testing.assert_array_equal(full[0, 15:].argmax(-1), out[0, 16:])

@@ -19,11 +19,14 @@ decoder that keeps no cache (:meth:`Llama.forward_nocache`) and against transfor
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
 import numbers
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +34,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from .._safetensors import SafetensorsError, load_file
 from .._units import human_bytes
+from .._validate import nonnegative_int
 from ..attention import attention
 from ..backends import DEVICES, to_host
 from ..cache import DEFAULT_MAX_SEQ_LEN
@@ -46,7 +50,14 @@ from ..kvcache import KVCache
 from ..rotating import RotatingKVCache
 from .config import _F32, DEFAULT_CONFIG, LlamaConfig, _eos_ids, _inv_freq, _real
 
-__all__ = ["Llama", "LlamaConfig", "default_weights"]
+__all__ = [
+    "Llama",
+    "LlamaConfig",
+    "default_weights",
+    "default_training_record",
+    "seeded_weights",
+    "DEFAULT_MODEL_DIR",
+]
 
 # -- attention -----------------------------------------------------------------------
 
@@ -152,16 +163,49 @@ def _float32_weights(
     return out
 
 
+# the default model's files, shipped in the package (trained by nbkv.models.train)
+DEFAULT_MODEL_DIR = Path(__file__).resolve().with_name("default")
+# sha256 of DEFAULT_MODEL_DIR / "model.safetensors": a damaged install is refused
+DEFAULT_WEIGHTS_SHA256 = "c673e83375b037b89f964d7552a3fbdab9498d64aab4a8598ee16d08498daaf3"
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped_weights() -> dict[str, NDArray[np.float32]]:
+    path = DEFAULT_MODEL_DIR / "model.safetensors"
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != DEFAULT_WEIGHTS_SHA256:
+        raise InvalidArgumentError(
+            f"{path} has sha256 {digest}, not the {DEFAULT_WEIGHTS_SHA256} nbkv shipped: the "
+            "installation is damaged; reinstall nbkv"
+        )
+    weights = {n: np.array(a, np.float32) for n, a in load_file(path).items()}
+    for a in weights.values():
+        a.flags.writeable = False  # shared by every Llama.default(): nobody writes them
+    return weights
+
+
+def default_training_record() -> dict:
+    """What the shipped model's training run recorded (``default/training.json``): corpus,
+    steps, tokens seen, train and held-out bits per byte, wall time, versions."""
+    return json.loads((DEFAULT_MODEL_DIR / "training.json").read_text())
+
+
 def default_weights() -> dict[str, NDArray[np.float32]]:
     """The weights of :meth:`Llama.default` (Hugging Face names -> float32 arrays), a
-    fresh copy on every call: what ``Llama(DEFAULT_CONFIG, default_weights())`` builds.
+    fresh copy on every call: the trained model nbkv ships (``nbkv/models/default``).
 
     >>> from nbkv.models import default_weights
     >>> w = default_weights()
-    >>> w["model.embed_tokens.weight"].shape
-    (256, 256)
+    >>> w["model.embed_tokens.weight"].shape, w["model.embed_tokens.weight"].dtype
+    ((256, 256), dtype('float32'))
     """
-    return _seeded_weights(DEFAULT_CONFIG)
+    return {n: a.copy() for n, a in _shipped_weights().items()}
+
+
+def seeded_weights(seed: int = 0) -> dict[str, NDArray[np.float32]]:
+    """The weights of :meth:`Llama.seeded`: :data:`DEFAULT_CONFIG`'s shape, random from
+    ``np.random.default_rng(seed)`` (see :func:`_seeded_weights` for their scale)."""
+    return _seeded_weights(DEFAULT_CONFIG, nonnegative_int(seed, "seed"))
 
 
 def _seeded_weights(c: LlamaConfig, seed: int = 0) -> dict[str, NDArray[np.float32]]:
@@ -263,9 +307,18 @@ class Llama:
     @classmethod
     def default(cls, *, device: str = "cpu") -> Llama:
         """The built-in model: :data:`DEFAULT_CONFIG` (byte vocabulary, 4 layers of
-        hidden 256, 8 query / 2 KV heads of head_dim 32) with weights seeded by
-        ``np.random.default_rng(0)``. Untrained, but deterministic and varied."""
-        return cls(DEFAULT_CONFIG, default_weights(), device=device)
+        hidden 256, 8 query / 2 KV heads of head_dim 32), trained on the Python standard
+        library by :mod:`nbkv.models.train` and shipped in the package (float16 weights,
+        run in float32). Its held-out figure is in ``nbkv/models/default/training.json``
+        and ``python -m nbkv eval`` measures it again."""
+        return cls(DEFAULT_CONFIG, _shipped_weights(), device=device)
+
+    @classmethod
+    def seeded(cls, seed: int = 0, *, device: str = "cpu") -> Llama:
+        """A random model of :data:`DEFAULT_CONFIG`'s shape, from ``seed``: untrained,
+        deterministic and varied (greedy runs do not repeat one byte), for tests and
+        demonstrations that need a fixed model which has learned nothing."""
+        return cls(DEFAULT_CONFIG, seeded_weights(seed), device=device)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, device: str = "cpu") -> Llama:
