@@ -26,11 +26,15 @@ from .errors import (
     InvalidArgumentError,
     KVCacheError,
     LayerIndexError,
+    OutOfBlocksError,
     ShapeMismatchError,
+    StaleStepError,
 )
 from .kvcache import KVCache
 from .launch import attention_grid, launch_config
 from .layout import LAYOUTS
+from .paged import PagedKVCache
+from .paged_attention import paged_append_and_attend, paged_attention
 from .persist import load, load_state, save
 from .rotating import RotatingKVCache
 
@@ -43,7 +47,10 @@ __all__ = [
     "LayerKVCache",
     "KVCache",
     "RotatingKVCache",
+    "PagedKVCache",
     "attention",
+    "paged_attention",
+    "paged_append_and_attend",
     "append_and_attend",
     "attention_grid",
     "launch_config",
@@ -67,5 +74,7 @@ __all__ = [
     "ArgumentTypeError",
     "LayerIndexError",
     "CacheFormatError",
+    "OutOfBlocksError",
+    "StaleStepError",
     "__version__",
 ]

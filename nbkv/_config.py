@@ -48,7 +48,8 @@ ATTENTION_ROWS = 16
 ATTENTION_MAX_HEAD_DIM = 256
 # blocks per SM that flash-decoding aims for when it splits the sequence. Read per call.
 ATTENTION_BLOCKS_PER_SM = 4
-# force the number of splits (to exercise or show the combine); None: automatic. Per call.
+# force the number of splits (to exercise or show the combine), of CUDA attention and of
+# the CPU's paged attention; None: automatic. Per call.
 ATTENTION_SPLITS = None
 
 _FIXED = ("FASTMATH", "WARP", "ATTENTION_THREADS", "ATTENTION_ROWS", "ATTENTION_MAX_HEAD_DIM")

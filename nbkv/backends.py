@@ -42,6 +42,7 @@ from .errors import (
 from .kernels import cpu as cpu_kernels
 from .kernels import cpu_attention
 from .launch import attention_grid, attention_scratch_shapes, launch_config
+from .paged_backends import CPUPaged, CUDAPaged
 
 __all__ = ["DEVICES", "Backend", "get_backend", "to_host", "CPUBackend", "CUDABackend"]
 
@@ -154,7 +155,7 @@ def _same(x):
     return x
 
 
-class CPUBackend:
+class CPUBackend(CPUPaged):
     """Buffers are NumPy arrays in host memory; kernels are :mod:`nbkv.kernels.cpu`.
 
     ``write_kv`` and ``write_cache`` are the layout's ``@njit`` kernels themselves, so the
@@ -173,6 +174,7 @@ class CPUBackend:
         self.layout = layout
         self.seq_axis = _layout.SEQ_AXIS[layout]
         self.write_kv, self.write_cache = self._KERNELS[layout]
+        self._bind_paged()  # the paged kernels of this layout (nbkv.paged_backends)
         # the attention kernels read [batch, num_kv_heads, seq, head_dim] views
         self._as_bhsd = _transposed if layout == "bshd" else _same
 
@@ -313,7 +315,7 @@ class _CUDADevice:
         self._local.arrays = None
 
 
-class CUDABackend:
+class CUDABackend(CUDAPaged):
     """Buffers are Numba device arrays; kernels are :mod:`nbkv.kernels.cuda` and
     :mod:`nbkv.kernels.cuda_attention`, picked for the layout when the backend is made.
 
@@ -345,7 +347,7 @@ class CUDABackend:
 
         Numba has no bfloat16 device array; float16 it has, so torch and CuPy see fp16.
         """
-        return dtype if dtype.kind == "f" else np.dtype(np.uint16)
+        return dtype if dtype.kind in "fiub" else np.dtype(np.uint16)  # ints: as they are
 
     def adopt(self, x: Any, name: str):
         """A device array (no copy) or a host array (copied later, in :meth:`to_kernel`)."""

@@ -19,6 +19,8 @@ __all__ = [
     "ArgumentTypeError",
     "LayerIndexError",
     "CacheFormatError",
+    "OutOfBlocksError",
+    "StaleStepError",
 ]
 
 
@@ -61,3 +63,13 @@ class LayerIndexError(KVCacheError, IndexError):
 class CacheFormatError(KVCacheError, ValueError):
     """A saved cache file is truncated, corrupted, of another format or version, or
     does not describe the cache it is loaded into (see :mod:`nbkv.persist`)."""
+
+
+class OutOfBlocksError(CacheOverflowError):
+    """A paged cache's step needs more blocks than are free or evictable (the message
+    names how many it needs and how many there are); nothing was changed."""
+
+
+class StaleStepError(KVCacheError, ValueError):
+    """A paged cache's step was used after the cache changed (or with another cache):
+    its slot mapping could write into blocks now owned by another sequence."""

@@ -209,3 +209,99 @@ def test_attention_kernels_fit_four_blocks_per_sm_without_spills(name, fused):
         assert report["spill_stores"] == report["spill_loads"] == 0, (sig, report)
         assert report["registers"] <= per_sm, (sig, report)
         assert report["stack"] <= local, (sig, report)
+
+
+# -- the paged cache's kernels (nbkv.kernels.cuda_paged) ---------------------------------
+
+
+def signatures_paged_write():
+    i32 = types.Array(types.int32, 1, "C")
+    for dtype, layout in itertools.product(STORAGE, LAYOUTS):
+        rows, pool = types.Array(dtype, 3, layout), types.Array(dtype, 4, "C")
+        yield (rows, rows, i32, pool, pool)
+
+
+def signatures_copy_blocks():
+    i32 = types.Array(types.int32, 1, "C")
+    for dtype in STORAGE:
+        pool = types.Array(dtype, 4, "C")
+        yield (i32, i32, pool, pool)
+
+
+def signatures_paged_attention(fused: bool):
+    """The signatures the CUDA backend launches paged attention with."""
+    f32 = types.float32
+    i32 = types.Array(types.int32, 1, "C")
+    stats = (types.Array(f32, 4, "C"), types.Array(f32, 4, "C"), types.Array(types.int32, 2, "C"))
+    storage = [types.float32, types.float64, types.float16, types.uint16]
+    combos = [(st, f32, "C") for st in storage]
+    combos += [(types.float32, f32, "A"), (types.float32, types.float16, "C")]
+    for st, q_dtype, q_layout in combos:
+        q = types.Array(q_dtype, 3, q_layout)
+        pool = types.Array(st, 4, "C")
+        tables = (i32, i32, i32, i32, types.float64, types.int64, types.Array(f32, 1, "C"))
+        out = types.Array(q_dtype, 3, "C")
+        if fused:
+            new = types.Array(st, 3, "A")
+            yield (q, new, new, i32, pool, pool, *tables, *stats, out)
+        else:
+            yield (q, pool, pool, *tables, *stats, out)
+
+
+PAGED_ATTENTION = [
+    ("paged_attend_kernel", False),
+    ("paged_attend_hnd_kernel", False),
+    ("paged_append_attend_kernel", True),
+    ("paged_append_attend_hnd_kernel", True),
+]
+PAGED_COPIES = [
+    ("write_paged_kernel", signatures_paged_write),
+    ("write_paged_hnd_kernel", signatures_paged_write),
+    ("copy_blocks_kernel", signatures_copy_blocks),
+]
+
+
+@pytest.mark.parametrize("name, signatures", PAGED_COPIES)
+def test_paged_copy_kernels_compile_for_h200(name, signatures):
+    _nvvm_or_skip()
+    for sig in signatures():
+        ptx, restype = ptx_of("cuda_paged", name, sig)
+        assert ".target sm_90" in ptx and restype == types.void, sig
+
+
+@pytest.mark.parametrize("name, fused", PAGED_ATTENTION)
+def test_paged_attention_kernels_compile_for_h200(name, fused):
+    _nvvm_or_skip()
+    for sig in signatures_paged_attention(fused):
+        ptx, restype = ptx_of("cuda_paged", name, sig)
+        assert ".target sm_90" in ptx and restype == types.void, sig
+
+
+@needs_ptxas
+@pytest.mark.parametrize("name, signatures", PAGED_COPIES)
+def test_paged_copy_kernels_assemble_without_spills_or_local_memory(name, signatures):
+    _nvvm_or_skip()
+    for sig in signatures():
+        report = ptxas_report(ptx_of("cuda_paged", name, sig)[0])
+        assert report["spill_stores"] == report["spill_loads"] == report["stack"] == 0, sig
+        assert report["registers"] <= 64, (sig, report)
+
+
+@needs_ptxas
+@pytest.mark.parametrize("name, fused", PAGED_ATTENTION)
+def test_paged_attention_kernels_fit_four_blocks_per_sm_without_spills(name, fused):
+    """As the contiguous kernels: at most 128 registers a thread, no spills, local memory
+    only for the accumulators and dot products."""
+    _nvvm_or_skip()
+    from nbkv import _config
+    from nbkv.kernels import cuda_attention
+
+    if cuda_attention.THREADS != 128:
+        pytest.skip("the simulator's 32-thread block is not what a GPU runs")
+    per_sm = 65_536 // (cuda_attention.THREADS * _config.ATTENTION_BLOCKS_PER_SM)
+    local = 4 * (cuda_attention._ACC_SIZE + cuda_attention.ROWS)
+    for sig in list(signatures_paged_attention(fused))[:4]:  # every storage dtype
+        report = ptxas_report(ptx_of("cuda_paged", name, sig)[0])
+        assert report["spill_stores"] == report["spill_loads"] == 0, (sig, report)
+        assert report["registers"] <= per_sm, (sig, report)
+        assert report["stack"] <= local, (sig, report)

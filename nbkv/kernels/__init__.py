@@ -44,6 +44,7 @@ since they need numba-cuda.
 
 from .cpu import write_cache, write_cache_bshd, write_kv, write_kv_bshd
 from .cpu_attention import append_attend, append_attend_bshd, attend, attend_bshd
+from .cpu_paged import copy_blocks, paged_attend, paged_attend_hnd, write_paged, write_paged_hnd
 
 __all__ = [
     "write_kv",
@@ -54,4 +55,9 @@ __all__ = [
     "attend_bshd",
     "append_attend",
     "append_attend_bshd",
+    "write_paged",
+    "write_paged_hnd",
+    "paged_attend",
+    "paged_attend_hnd",
+    "copy_blocks",
 ]

@@ -29,7 +29,8 @@ _BLOCK = 64
 
 
 def _rows(src, table, buf):
-    """Cached rows ``src`` [n, head_dim] as an array of ``buf``'s dtype. By the overload."""
+    """Cached rows ``src`` (``[n, head_dim]``, or ``[n, num_kv_heads, head_dim]`` for the
+    paged cache's "nhd" pages) as an array of ``buf``'s dtype and rank. By the overload."""
     raise NotImplementedError  # pragma: no cover - only called from compiled code
 
 
@@ -37,6 +38,18 @@ def _rows(src, table, buf):
 def _rows_impl(src, table, buf):
     if src.dtype == types.uint16:
         # 16-bit floats arrive as bit patterns: one lookup widens each into the buffer
+        if src.ndim == 3:
+
+            def widen_heads(src, table, buf):
+                out = buf[: src.shape[0]]
+                for j in range(src.shape[0]):
+                    for h in range(src.shape[1]):
+                        for d in range(src.shape[2]):
+                            out[j, h, d] = table[src[j, h, d]]
+                return out
+
+            return widen_heads
+
         def widen(src, table, buf):
             out = buf[: src.shape[0]]
             for j in range(src.shape[0]):
@@ -49,8 +62,9 @@ def _rows_impl(src, table, buf):
 
 
 @njit(cache=True, fastmath=_config.FASTMATH)
-def _scores(qs, kb, s):
-    """s[r, j] = qs[r] . kb[j] for every query row r and cached row j of the block.
+def _scores(qs, kb, s, c0):
+    """s[r, c0 + j] = qs[r] . kb[j] for every query row r and cached row j of the block
+    (``c0`` > 0: the block is a page of a longer chunk, as in the paged kernels).
 
     Four query rows share each pass over a K row: one load of K feeds four dot products,
     and the loop overhead and final horizontal sums are paid once per four (this halved
@@ -71,7 +85,7 @@ def _scores(qs, kb, s):
                 a1 += q1[d] * kd
                 a2 += q2[d] * kd
                 a3 += q3[d] * kd
-            s[r, j], s[r + 1, j], s[r + 2, j], s[r + 3, j] = a0, a1, a2, a3
+            s[r, c0 + j], s[r + 1, c0 + j], s[r + 2, c0 + j], s[r + 3, c0 + j] = a0, a1, a2, a3
         r += 4
     while r < rows:  # the rows left over, one at a time
         qr = qs[r]
@@ -80,7 +94,7 @@ def _scores(qs, kb, s):
             a0 = qr[0] * kr[0]
             for d in range(1, dim):
                 a0 += qr[d] * kr[d]
-            s[r, j] = a0
+            s[r, c0 + j] = a0
         r += 1
 
 
@@ -114,40 +128,13 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
         j1 = min(j0 + _BLOCK, seq_len)
         nb = j1 - j0
         kb = _rows(k_cache[b, kvh, j0:j1], table, k_buf)
-        _scores(qs, kb, s)
+        _scores(qs, kb, s, 0)
         if j0 < all_lo or j1 > all_hi:
             # a block at the edge of the causal mask or the window: mask per row
-            for r in range(rows):
-                p = first + r % n_q
-                for j in range(nb):
-                    if (causal and j0 + j > p) or (window > 0 and j0 + j <= p - window):
-                        s[r, j] = -np.inf
-        for r in range(rows):
-            block_max = -np.inf
-            for j in range(nb):
-                block_max = max(block_max, s[r, j])  # max(m, NaN) is m: NaN is seen below
-            if block_max == -np.inf:  # nothing finite in this row of the block
-                poisoned = False
-                for j in range(nb):
-                    poisoned |= s[r, j] != s[r, j]
-                    s[r, j] = 0.0
-                if poisoned:  # a NaN score: the row's output is NaN, as IEEE says
-                    m[r] = np.nan
-                    denom[r] = np.nan
-                continue
-            m_new = max(m[r], block_max)
-            # rescale what was accumulated under the old maximum (exp(-inf) = 0)
-            correction = np.exp(m[r] - m_new)
-            denom[r] *= correction
-            for d in range(dim):
-                acc[r, d] *= correction
-            m[r] = m_new
-            for j in range(nb):
-                w = np.exp(s[r, j] - m_new)
-                s[r, j] = w
-                denom[r] += w
+            _mask(s, nb, j0, first, n_q, causal, window)
+        _online_softmax(s, nb, m, denom, acc)
         vb = _rows(v_cache[b, kvh, j0:j1], table, v_buf)
-        _accumulate(s, vb, acc)
+        _accumulate(s, vb, acc, 0)
     for r in range(rows):
         h = kvh * group + r // n_q
         inv = 1.0 / denom[r]  # inf when nothing was finite: 0 * inf = NaN out
@@ -155,9 +142,53 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
             out[b, h, r % n_q, d] = acc[r, d] * inv
 
 
+@njit(cache=True)
+def _mask(s, nb, j0, first, n_q, causal, window):
+    """Scores of positions ``j0 .. j0 + nb - 1`` a query may not see become -inf. Row
+    ``r`` is query ``first + r % n_q``. Mutates ``s``."""
+    for r in range(s.shape[0]):
+        p = first + r % n_q
+        for j in range(nb):
+            if (causal and j0 + j > p) or (window > 0 and j0 + j <= p - window):
+                s[r, j] = -np.inf
+
+
+@njit(cache=True, fastmath=_config.FASTMATH, error_model="numpy")
+def _online_softmax(s, nb, m, denom, acc):
+    """One block of the streaming softmax: per row, raise the running maximum ``m`` to the
+    block's, rescale ``denom`` and ``acc`` by what that changes, and turn the block's
+    scores ``s[:, :nb]`` into weights ``exp(score - m)`` added to ``denom``. Mutates all
+    four (``acc`` only by the rescaling; the weighted V rows are the caller's to add)."""
+    dim = acc.shape[1]
+    for r in range(s.shape[0]):
+        block_max = -np.inf
+        for j in range(nb):
+            block_max = max(block_max, s[r, j])  # max(m, NaN) is m: NaN is seen below
+        if block_max == -np.inf:  # nothing finite in this row of the block
+            poisoned = False
+            for j in range(nb):
+                poisoned |= s[r, j] != s[r, j]
+                s[r, j] = 0.0
+            if poisoned:  # a NaN score: the row's output is NaN, as IEEE says
+                m[r] = np.nan
+                denom[r] = np.nan
+            continue
+        m_new = max(m[r], block_max)
+        # rescale what was accumulated under the old maximum (exp(-inf) = 0)
+        correction = np.exp(m[r] - m_new)
+        denom[r] *= correction
+        for d in range(dim):
+            acc[r, d] *= correction
+        m[r] = m_new
+        for j in range(nb):
+            w = np.exp(s[r, j] - m_new)
+            s[r, j] = w
+            denom[r] += w
+
+
 @njit(cache=True, fastmath=_config.FASTMATH)
-def _accumulate(s, vb, acc):
-    """acc[r] += sum over j of s[r, j] * vb[j], for every query row r of the block.
+def _accumulate(s, vb, acc, c0):
+    """acc[r] += sum over j of s[r, c0 + j] * vb[j], for every query row r of the block.
 
     Four rows by four positions at a time: each V row loaded is used by four rows and each
     accumulator loaded is updated by four positions, so loads and stores per FMA drop
@@ -172,10 +203,10 @@ def _accumulate(s, vb, acc):
         j = 0
         while j + 4 <= nb:
             v0, v1, v2, v3 = vb[j], vb[j + 1], vb[j + 2], vb[j + 3]
-            w00, w01, w02, w03 = s0[j], s0[j + 1], s0[j + 2], s0[j + 3]
-            w10, w11, w12, w13 = s1[j], s1[j + 1], s1[j + 2], s1[j + 3]
-            w20, w21, w22, w23 = s2[j], s2[j + 1], s2[j + 2], s2[j + 3]
-            w30, w31, w32, w33 = s3[j], s3[j + 1], s3[j + 2], s3[j + 3]
+            w00, w01, w02, w03 = s0[c0 + j], s0[c0 + j + 1], s0[c0 + j + 2], s0[c0 + j + 3]
+            w10, w11, w12, w13 = s1[c0 + j], s1[c0 + j + 1], s1[c0 + j + 2], s1[c0 + j + 3]
+            w20, w21, w22, w23 = s2[c0 + j], s2[c0 + j + 1], s2[c0 + j + 2], s2[c0 + j + 3]
+            w30, w31, w32, w33 = s3[c0 + j], s3[c0 + j + 1], s3[c0 + j + 2], s3[c0 + j + 3]
             for d in range(dim):
                 x0, x1, x2, x3 = v0[d], v1[d], v2[d], v3[d]
                 a0[d] += w00 * x0 + w01 * x1 + w02 * x2 + w03 * x3
@@ -185,7 +216,7 @@ def _accumulate(s, vb, acc):
             j += 4
         while j < nb:  # the positions left over
             v0 = vb[j]
-            w00, w10, w20, w30 = s0[j], s1[j], s2[j], s3[j]
+            w00, w10, w20, w30 = s0[c0 + j], s1[c0 + j], s2[c0 + j], s3[c0 + j]
             for d in range(dim):
                 x0 = v0[d]
                 a0[d] += w00 * x0
@@ -197,7 +228,7 @@ def _accumulate(s, vb, acc):
     while r < rows:  # the rows left over, one at a time
         a0, s0 = acc[r], s[r]
         for j in range(nb):
-            w00, v0 = s0[j], vb[j]
+            w00, v0 = s0[c0 + j], vb[j]
             for d in range(dim):
                 a0[d] += w00 * v0[d]
         r += 1

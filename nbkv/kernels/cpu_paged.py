@@ -1,0 +1,377 @@
+"""CPU (``@njit``) kernels of the paged cache: writes through a slot mapping, attention
+through page tables, block copies. Pure functions over pools and int32 tables.
+
+Pools: one K and one V pool per layer, ``[num_blocks, block_size, num_kv_heads,
+head_dim]`` ("nhd") or ``[num_blocks, num_kv_heads, block_size, head_dim]`` ("hnd", the
+``_hnd`` twins). A position's *slot* is ``block * block_size + offset``. Packed ragged
+batches: the ``total`` new positions of every sequence one after the other, sequence
+``s``'s at ``[q_indptr[s], q_indptr[s + 1])``, and its pages (block ids in position
+order) at ``kv_indices[kv_indptr[s] : kv_indptr[s + 1]]`` (FlashInfer's CSR layout).
+
+16-bit pools travel as ``uint16`` bits, widened by ``table`` (``nbkv.dtypes.widen_table``
+of the pools' dtype) as in :mod:`nbkv.kernels.cpu_attention`; float32 and float64 pools
+need none.
+
+Example: a sequence of 5 positions in blocks 2 and 0 of a 4-position pool, one query.
+
+>>> import numpy as np
+>>> from nbkv.kernels import write_paged, paged_attend
+>>> k_pool = np.zeros((3, 4, 1, 2), np.float32); v_pool = np.zeros_like(k_pool)
+>>> k = np.ones((5, 1, 2), np.float32); v = np.arange(10, dtype=np.float32).reshape(5, 1, 2)
+>>> slots = np.array([8, 9, 10, 11, 0], np.int32)  # block 2 (offsets 0-3), then block 0
+>>> write_paged(k, v, slots, k_pool, v_pool)
+>>> out = np.empty((1, 1, 2), np.float32)
+>>> q = np.zeros((1, 1, 2), np.float32)  # equal scores: the mean of the 5 values
+>>> paged_attend(q, k_pool, v_pool, np.array([0, 1], np.int32), np.array([0, 2], np.int32),
+...              np.array([2, 0], np.int32), np.array([5], np.int32), 1.0, 0, out)
+>>> out[0, 0].tolist()
+[4.0, 5.0]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+from numba.extending import overload
+
+from .. import _config
+from .cpu_attention import _accumulate, _mask, _online_softmax, _rows, _scores
+
+__all__ = [
+    "write_paged",
+    "write_paged_hnd",
+    "copy_blocks",
+    "paged_attend",
+    "paged_attend_hnd",
+]
+
+_CHUNK = 128  # positions scored per step of the online softmax (several blocks if small)
+
+
+@njit(cache=True, nogil=True)
+def write_paged(k, v, slot_mapping, k_pool, v_pool):
+    """Write new K/V rows into the pools at their slots; layout "nhd".
+
+    k, v: [total, num_kv_heads, head_dim], any strides. slot_mapping: int [total]; a
+    negative slot is skipped (vLLM's padding). k_pool, v_pool: [num_blocks, block_size,
+    num_kv_heads, head_dim]. Mutates the pools.
+    """
+    bs = k_pool.shape[1]
+    heads, dim = k.shape[1], k.shape[2]
+    for t in range(k.shape[0]):
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        b = slot // bs
+        o = slot - b * bs
+        for h in range(heads):
+            for d in range(dim):
+                k_pool[b, o, h, d] = k[t, h, d]
+            for d in range(dim):
+                v_pool[b, o, h, d] = v[t, h, d]
+
+
+@njit(cache=True, nogil=True)
+def write_paged_hnd(k, v, slot_mapping, k_pool, v_pool):
+    """:func:`write_paged` for "hnd" pools [num_blocks, num_kv_heads, block_size,
+    head_dim]. Mutates the pools."""
+    bs = k_pool.shape[2]
+    heads, dim = k.shape[1], k.shape[2]
+    for t in range(k.shape[0]):
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        b = slot // bs
+        o = slot - b * bs
+        for h in range(heads):
+            for d in range(dim):
+                k_pool[b, h, o, d] = k[t, h, d]
+            for d in range(dim):
+                v_pool[b, h, o, d] = v[t, h, d]
+
+
+@njit(cache=True, nogil=True)
+def copy_blocks(src, dst, k_pool, v_pool):
+    """Copy whole blocks ``src[i]`` to ``dst[i]`` in both pools (copy-on-write), either
+    layout. src, dst: int [n]. Mutates the pools."""
+    for i in range(src.shape[0]):
+        k_pool[dst[i]] = k_pool[src[i]]
+        v_pool[dst[i]] = v_pool[src[i]]
+
+
+@njit(cache=True, fastmath=_config.FASTMATH)
+def _scores_heads(qs, kb, s, c0):
+    """s[h, r, c0 + j] = qs[h, r] . kb[j, h] for every head h, query row r and position j
+    of an "nhd" page ``kb`` [n, heads, head_dim], read in memory order (position, then
+    head): one head at a time would read rows a position apart, which the CPU's
+    prefetchers do not follow (0.8x the contiguous kernel's speed, measured). As
+    :func:`nbkv.kernels.cpu_attention._scores`, four query rows share each K row."""
+    heads, rows, dim = qs.shape
+    for j in range(kb.shape[0]):
+        for h in range(heads):
+            kr, qh, sh = kb[j, h], qs[h], s[h]
+            r = 0
+            while r + 4 <= rows:
+                q0, q1, q2, q3 = qh[r], qh[r + 1], qh[r + 2], qh[r + 3]
+                k0 = kr[0]
+                a0, a1, a2, a3 = q0[0] * k0, q1[0] * k0, q2[0] * k0, q3[0] * k0
+                for d in range(1, dim):
+                    kd = kr[d]
+                    a0 += q0[d] * kd
+                    a1 += q1[d] * kd
+                    a2 += q2[d] * kd
+                    a3 += q3[d] * kd
+                sh[r, c0 + j], sh[r + 1, c0 + j] = a0, a1
+                sh[r + 2, c0 + j], sh[r + 3, c0 + j] = a2, a3
+                r += 4
+            while r < rows:
+                qr = qh[r]
+                a0 = qr[0] * kr[0]
+                for d in range(1, dim):
+                    a0 += qr[d] * kr[d]
+                sh[r, c0 + j] = a0
+                r += 1
+
+
+@njit(cache=True, fastmath=_config.FASTMATH)
+def _accumulate_heads(s, vb, acc, c0):
+    """acc[h, r] += sum over j of s[h, r, c0 + j] * vb[j, h] for an "nhd" page ``vb``, in
+    memory order as :func:`_scores_heads`; four positions per pass, so each accumulator
+    row loaded takes four multiply-adds."""
+    heads, rows, dim = acc.shape
+    nb = vb.shape[0]
+    j = 0
+    while j < nb:
+        m = min(4, nb - j)
+        for h in range(heads):
+            sh, ah = s[h], acc[h]
+            if m == 4:
+                v0, v1, v2, v3 = vb[j, h], vb[j + 1, h], vb[j + 2, h], vb[j + 3, h]
+                for r in range(rows):
+                    a, w = ah[r], sh[r]
+                    w0, w1, w2, w3 = w[c0 + j], w[c0 + j + 1], w[c0 + j + 2], w[c0 + j + 3]
+                    for d in range(dim):
+                        a[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d]
+            else:  # the positions left over
+                for t in range(j, j + m):
+                    v0 = vb[t, h]
+                    for r in range(rows):
+                        a, w0 = ah[r], sh[r, c0 + t]
+                        for d in range(dim):
+                            a[d] += w0 * v0[d]
+        j += m
+
+
+def _score_page(qs, pool, page, off, n, table, buf, s, c0):
+    """Scores of ``page``'s rows ``off .. off + n - 1``, every head, into columns ``c0 ..``
+    of ``s`` [heads, rows, chunk]. By the overload, on the pool's form: "hnd" flattened to
+    ``[num_blocks * heads, block_size, head_dim]`` (one head's rows are contiguous: head
+    by head) or "nhd" ``[num_blocks, block_size, heads, head_dim]`` (position by
+    position). ``buf`` [chunk, heads, head_dim] takes widened 16-bit rows."""
+    raise NotImplementedError  # pragma: no cover - only called from compiled code
+
+
+def _accumulate_page(s, pool, page, off, n, table, buf, acc, c0):
+    """The weighted V rows of a page added to ``acc`` [heads, rows, head_dim], as
+    :func:`_score_page` reads K. By the overload."""
+    raise NotImplementedError  # pragma: no cover - only called from compiled code
+
+
+@overload(_score_page, jit_options={"cache": True})
+def _score_page_impl(qs, pool, page, off, n, table, buf, s, c0):
+    if pool.ndim == 3:
+
+        def hnd(qs, pool, page, off, n, table, buf, s, c0):
+            heads = qs.shape[0]
+            flat = buf.reshape(buf.shape[0] * heads, buf.shape[2])
+            for h in range(heads):
+                kb = _rows(pool[page * heads + h, off : off + n], table, flat)
+                _scores(qs[h], kb, s[h], c0)
+
+        return hnd
+
+    def nhd(qs, pool, page, off, n, table, buf, s, c0):
+        _scores_heads(qs, _rows(pool[page, off : off + n], table, buf), s, c0)
+
+    return nhd
+
+
+@overload(_accumulate_page, jit_options={"cache": True})
+def _accumulate_page_impl(s, pool, page, off, n, table, buf, acc, c0):
+    if pool.ndim == 3:
+
+        def hnd(s, pool, page, off, n, table, buf, acc, c0):
+            heads = acc.shape[0]
+            flat = buf.reshape(buf.shape[0] * heads, buf.shape[2])
+            for h in range(heads):
+                vb = _rows(pool[page * heads + h, off : off + n], table, flat)
+                _accumulate(s[h], vb, acc[h], c0)
+
+        return hnd
+
+    def nhd(s, pool, page, off, n, table, buf, acc, c0):
+        _accumulate_heads(s, _rows(pool[page, off : off + n], table, buf), acc, c0)
+
+    return nhd
+
+
+@njit(cache=True, fastmath=_config.FASTMATH, error_model="numpy")
+def _paged_task(
+    q, k_pages, v_pages, num_kv_heads, bs, q_indptr, kv_indptr, kv_indices, seq_lens,
+    scale, window, table, splits, task, part_acc, part_stats,
+):  # fmt: skip
+    """One (sequence, split), every KV head: the online softmax over the split's
+    positions, left as partial (max, sum, accumulator) rows in ``part_*`` at index
+    ``(sequence * num_kv_heads + head) * splits + split``. ``k_pages``, ``v_pages`` as
+    :func:`_score_page` takes them.
+
+    A task takes every head of its sequence, page by page, so that it reads each page
+    whole before the next, in memory order (one task per head read a page in pieces a
+    head apart: 0.8x the contiguous kernel's speed at block size 16, measured)."""
+    num_heads, dim = q.shape[1], q.shape[2]
+    heads = num_kv_heads
+    group = num_heads // heads
+    sp = task % splits
+    s_id = task // splits
+    q0, n_q = q_indptr[s_id], q_indptr[s_id + 1] - q_indptr[s_id]
+    seq_len = seq_lens[s_id]
+    rows = group * n_q
+    first = seq_len - n_q  # position of the first query
+    lo = max(0, first - window + 1) if window > 0 else 0
+    all_lo = max(0, seq_len - window) if window > 0 else 0
+    per = -(-(seq_len - lo) // splits)
+    start = lo + sp * per
+    end = min(seq_len, start + per)
+    qs = np.empty((heads, rows, dim), q.dtype)  # each group's queries, scale folded in
+    for h in range(heads):
+        for g in range(group):
+            for i in range(n_q):
+                for d in range(dim):
+                    qs[h, g * n_q + i, d] = q[q0 + i, h * group + g, d] * scale
+    m = np.full((heads, rows), -np.inf, q.dtype)
+    denom = np.zeros((heads, rows), q.dtype)
+    acc = np.zeros((heads, rows, dim), q.dtype)
+    s = np.empty((heads, rows, _CHUNK), q.dtype)
+    buf = np.empty((min(bs, _CHUNK), heads, dim), q.dtype)  # widened 16-bit rows
+    pages = kv_indices[kv_indptr[s_id] : kv_indptr[s_id + 1]]
+    j0 = start
+    while j0 < end:
+        # a chunk of up to _CHUNK positions, page by page: score each page's rows into
+        # their columns of s, one softmax update per head, then the V rows
+        j1 = min(j0 + _CHUNK, end)
+        at = j0
+        while at < j1:
+            page, off = pages[at // bs], at % bs
+            n = min(bs - off, j1 - at)
+            _score_page(qs, k_pages, page, off, n, table, buf, s, at - j0)
+            at += n
+        nb = j1 - j0
+        for h in range(heads):
+            if j0 < all_lo or j1 > first + 1:
+                _mask(s[h], nb, j0, first, n_q, True, window)
+            _online_softmax(s[h], nb, m[h], denom[h], acc[h])
+        at = j0
+        while at < j1:
+            page, off = pages[at // bs], at % bs
+            n = min(bs - off, j1 - at)
+            _accumulate_page(s, v_pages, page, off, n, table, buf, acc, at - j0)
+            at += n
+        j0 = j1
+    for h in range(heads):
+        slot = (s_id * heads + h) * splits + sp
+        for r in range(rows):
+            part_stats[slot, r, 0] = m[h, r]
+            part_stats[slot, r, 1] = denom[h, r]
+            for d in range(dim):
+                part_acc[slot, r, d] = acc[h, r, d]
+
+
+@njit(cache=True, error_model="numpy")
+def _combine(q_indptr, splits, num_kv_heads, group, part_acc, part_stats, out, pair):
+    """out of one (sequence, KV head): the splits' partials, rescaled to a common maximum."""
+    s_id, kvh = pair // num_kv_heads, pair % num_kv_heads
+    q0, n_q = q_indptr[s_id], q_indptr[s_id + 1] - q_indptr[s_id]
+    dim = out.shape[2]
+    base = pair * splits
+    for r in range(group * n_q):
+        top = -np.inf
+        poisoned = False
+        for sp in range(splits):
+            mx = part_stats[base + sp, r, 0]
+            poisoned |= mx != mx
+            top = max(top, mx)
+        h = kvh * group + r // n_q
+        i = q0 + r % n_q
+        for d in range(dim):
+            num = 0.0
+            total = 0.0
+            for sp in range(splits):
+                mx = part_stats[base + sp, r, 0]
+                if mx != -np.inf:
+                    w = np.exp(mx - top)
+                    num += w * part_acc[base + sp, r, d]
+                    total += w * part_stats[base + sp, r, 1]
+            out[i, h, d] = np.nan if poisoned else num / total
+
+
+@njit(cache=True)
+def _scratch(q, q_indptr, num_kv_heads, splits):
+    """Partial results of every (sequence, KV head, split) task: accumulators and stats."""
+    group = q.shape[1] // num_kv_heads
+    max_rows = 1
+    for s_id in range(q_indptr.shape[0] - 1):
+        max_rows = max(max_rows, group * (q_indptr[s_id + 1] - q_indptr[s_id]))
+    tasks = (q_indptr.shape[0] - 1) * num_kv_heads * splits
+    return np.empty((tasks, max_rows, q.shape[2]), q.dtype), np.empty((tasks, max_rows, 2), q.dtype)
+
+
+# Both entry points hold their own prange loops: a cache=True function that calls a
+# parallel=True one crashed when Numba loaded it back from its cache (numba 0.68).
+@njit(parallel=True, cache=True)
+def paged_attend_hnd(
+    q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, seq_lens, scale, window, out,
+    table=None, splits=1,
+):  # fmt: skip
+    """Attention of each sequence's new positions over every position it holds, "hnd".
+
+    q: [total, num_heads, head_dim], float32 or float64 (the accumulator type); sequence
+    ``s``'s queries are rows ``q_indptr[s] .. q_indptr[s + 1] - 1``, its last positions.
+    k_pool, v_pool: [num_blocks, num_kv_heads, block_size, head_dim], C-contiguous
+    (uint16 bits of 16-bit pools, widened by ``table``). kv_indptr, kv_indices: each
+    sequence's pages. seq_lens: positions each holds (its queries included). scale: the
+    scores' factor. window: > 0 limits each query to the last ``window`` positions, its
+    own included. splits: each sequence's positions are cut into this many ranges,
+    attended in parallel and combined (for few, long sequences). Causal. Mutates ``out``
+    [total, num_heads, head_dim], q's dtype.
+    """
+    nb, num_kv_heads, bs, dim = k_pool.shape
+    k_pages = k_pool.reshape(nb * num_kv_heads, bs, dim)  # (block, head) pairs: no copy
+    v_pages = v_pool.reshape(nb * num_kv_heads, bs, dim)
+    part_acc, part_stats = _scratch(q, q_indptr, num_kv_heads, splits)
+    for task in prange(seq_lens.shape[0] * splits):
+        _paged_task(
+            q, k_pages, v_pages, num_kv_heads, bs, q_indptr, kv_indptr, kv_indices,
+            seq_lens, scale, window, table, splits, task, part_acc, part_stats,
+        )  # fmt: skip
+    group = q.shape[1] // num_kv_heads
+    for pair in prange(seq_lens.shape[0] * num_kv_heads):
+        _combine(q_indptr, splits, num_kv_heads, group, part_acc, part_stats, out, pair)
+
+
+@njit(parallel=True, cache=True)
+def paged_attend(
+    q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, seq_lens, scale, window, out,
+    table=None, splits=1,
+):  # fmt: skip
+    """:func:`paged_attend_hnd` for "nhd" pools [num_blocks, block_size, num_kv_heads,
+    head_dim] (any strides; C-contiguous is the fast case). Mutates ``out``."""
+    bs, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    part_acc, part_stats = _scratch(q, q_indptr, num_kv_heads, splits)
+    for task in prange(seq_lens.shape[0] * splits):
+        _paged_task(
+            q, k_pool, v_pool, num_kv_heads, bs, q_indptr, kv_indptr, kv_indices,
+            seq_lens, scale, window, table, splits, task, part_acc, part_stats,
+        )  # fmt: skip
+    group = q.shape[1] // num_kv_heads
+    for pair in prange(seq_lens.shape[0] * num_kv_heads):
+        _combine(q_indptr, splits, num_kv_heads, group, part_acc, part_stats, out, pair)
