@@ -487,7 +487,8 @@ class PagedKVCache:
             tables.append(table)
             pos = np.arange(start, start + n)
             positions.append(pos)
-            slots.append(np.array(table, np.int64)[pos // bs] * bs + pos % bs)
+            touched = np.array(table[start // bs :], np.int64)  # the blocks written
+            slots.append(touched[pos // bs - start // bs] * bs + pos % bs)
             q_indptr.append(q_indptr[-1] + n)
             kv_indptr.append(kv_indptr[-1] + len(table))
         lens = [seq.seq_len + n for seq, n, _ in plan]
@@ -498,7 +499,9 @@ class PagedKVCache:
             "slot_mapping": np.concatenate(slots).astype(np.int32),
             "seq_lens": np.array(lens, np.int32),
             "kv_indptr": np.array(kv_indptr, np.int32),
-            "kv_indices": np.array([b for t in tables for b in t], np.int32),
+            "kv_indices": np.fromiter(
+                itertools.chain.from_iterable(tables), np.int32, kv_indptr[-1]
+            ),
             "last_page_len": np.array(
                 [n - (len(t) - 1) * bs for n, t in zip(lens, tables, strict=True)], np.int32
             ),
