@@ -56,6 +56,7 @@ from .errors import (
 )
 from .paged_step import PagedStep
 
+_MAX_SLOTS = 2**31 - 1  # slots are int32
 _CACHE_IDS = itertools.count()  # never reused, unlike id(): a step names its cache by one
 
 __all__ = ["PagedKVCache", "PAGED_LAYOUTS", "PagedView"]
@@ -181,6 +182,12 @@ class PagedKVCache:
         self._num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
         self._head_dim = positive_int(head_dim, "head_dim")
         self._dtype = resolve_dtype(dtype)
+        if self._num_blocks * self._block_size > _MAX_SLOTS:
+            raise InvalidArgumentError(
+                f"num_blocks * block_size must be at most {_MAX_SLOTS} (slots and positions "
+                f"are int32, as vLLM's and FlashInfer's tables), got {self._num_blocks} * "
+                f"{self._block_size} = {self._num_blocks * self._block_size}"
+            )
         if not isinstance(layout, str) or layout not in PAGED_LAYOUTS:
             raise InvalidArgumentError(
                 f"layout must be one of {tuple(PAGED_LAYOUTS)}, got {layout!r:.40}"
@@ -423,10 +430,28 @@ class PagedKVCache:
             The step needs more new blocks (copies included) than ``num_free_blocks``.
         """
         plan = self._plan(requests)
+        copies, need = self._count(plan)
+        pool = self._pool
+        if need > pool.available:
+            raise OutOfBlocksError(
+                f"the step needs {need} blocks ({need - len(copies)} new, {len(copies)} "
+                f"copies on write) but {pool.available} are free or evictable "
+                f"(num_blocks {self._num_blocks}); free or trim sequences, or build the "
+                "cache with more blocks"
+            )
+        return self._commit(plan, copies, need)
+
+    def blocks_needed(self, requests: Any) -> int:
+        """The blocks ``reserve(requests)`` would take (new ones and copies on write),
+        with every check ``reserve`` makes and nothing changed: a scheduler compares it
+        with :attr:`num_free_blocks` before it commits to a step."""
+        return self._count(self._plan(requests))[1]
+
+    def _count(self, plan) -> tuple[list, int]:
+        """(sequences whose last block is copied on write, blocks the step takes)."""
         pool, bs = self._pool, self._block_size
-        # how many blocks the step takes: new ones, and a copy of every shared (or
-        # registered) last block that receives positions, in order: a sequence that
-        # leaves a shared block lets the last holder of it write in place
+        # a copy of every shared (or registered) last block that receives positions, in
+        # order: a sequence that leaves a shared block lets its last holder write in place
         leaving: dict[int, int] = {}
         copies, need = [], 0
         for seq, n, _ in plan:
@@ -437,15 +462,7 @@ class PagedKVCache:
                     copies.append(seq)
                     leaving[last] = leaving.get(last, 0) + 1
             need += -(-(seq.seq_len + n) // bs) - len(seq.blocks)
-        need += len(copies)
-        if need > pool.available:
-            raise OutOfBlocksError(
-                f"the step needs {need} blocks ({need - len(copies)} new, {len(copies)} "
-                f"copies on write) but {pool.available} are free or evictable "
-                f"(num_blocks {self._num_blocks}); free or trim sequences, or build the "
-                "cache with more blocks"
-            )
-        return self._commit(plan, copies, need)
+        return copies, need + len(copies)
 
     def _plan(self, requests: Any) -> list[tuple[_Seq, int, np.ndarray | None]]:
         if not isinstance(requests, dict):
@@ -527,7 +544,7 @@ class PagedKVCache:
             start = seq.seq_len
             seq.blocks = table
             seq.seq_len = start + n
-            if toks is not None:
+            if toks is not None and self._prefix_caching:  # else only counted
                 seq.tokens = np.concatenate([seq.tokens, toks])
             if self._prefix_caching:
                 pending += self._filled(seq, start)

@@ -73,12 +73,15 @@ def _tables(view, scale, window, table):
     return (s.q_indptr, s.kv_indptr, s.kv_indices, s.seq_lens, scale, window, table)
 
 
-def _hint(step, window: int) -> tuple[int, int, int]:
-    """(sequences, longest new run, longest span any query sees), from the host arrays."""
-    new = np.diff(step.host("q_indptr"))
+def _hint(step, window: int) -> tuple[tuple[int, int, int], int]:
+    """(sequences, longest new run, longest span any query sees), from the host arrays;
+    and the window clamped to the longest sequence (a window past every sequence is
+    none, and the kernels' int32 arithmetic stays in range)."""
+    new = np.diff(step.host("q_indptr")).astype(np.int64)
     lens = step.host("seq_lens").astype(np.int64)
+    window = min(window, int(lens.max()))
     span = np.minimum(lens, new + window - 1) if window else lens
-    return len(new), int(new.max()), int(span.max())
+    return (len(new), int(new.max()), int(span.max())), window
 
 
 def paged_attention(
@@ -120,14 +123,9 @@ def paged_attention(
     q_kernel, result, out, scale, window = _prepare(q, view, scale, window, out)
     be = view.backend
     table = be.attention_table(view.dtype)
-    be.paged_attend(
-        q_kernel,
-        view.k_pool,
-        view.v_pool,
-        *_tables(view, scale, window, table),
-        result,
-        _hint(step, window),
-    )
+    hint, window = _hint(step, window)
+    tables = _tables(view, scale, window, table)
+    be.paged_attend(q_kernel, view.k_pool, view.v_pool, *tables, result, hint)
     return be.finish_attention(result, out)
 
 
@@ -152,10 +150,10 @@ def paged_append_and_attend(
     q_kernel, result, out, scale, window = _prepare(q, view, scale, window, out)
     be = view.backend
     table = be.attention_table(view.dtype)
+    hint, window = _hint(step, window)
     be.paged_append_attend(
         q_kernel, be.attention_form(k), be.attention_form(v), step.slot_mapping,
-        view.k_pool, view.v_pool, *_tables(view, scale, window, table), result,
-        _hint(step, window),
+        view.k_pool, view.v_pool, *_tables(view, scale, window, table), result, hint,
     )  # fmt: skip
     cache.written(layer, step)
     return be.finish_attention(result, out)

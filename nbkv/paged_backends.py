@@ -19,10 +19,13 @@ import numba
 import numpy as np
 
 from . import _config
+from .errors import InvalidArgumentError
 from .kernels import cpu_paged
 from .launch import attention_grid, launch_config
 
 __all__ = ["PagedBackend", "CPUPaged", "CUDAPaged"]
+
+_GRID_YZ = 65_535  # CUDA's limit on gridDim.y and gridDim.z
 
 
 class PagedBackend(Protocol):
@@ -51,29 +54,46 @@ class PagedBackend(Protocol):
 class CPUPaged:
     """Mixed into :class:`nbkv.backends.CPUBackend`: the ``@njit`` kernels themselves."""
 
-    _PAGED = {
-        "bshd": (cpu_paged.write_paged, cpu_paged.paged_attend),
-        "bhsd": (cpu_paged.write_paged_hnd, cpu_paged.paged_attend_hnd),
+    _PAGED = {  # layout -> (write, parallel attention, serial attention)
+        "bshd": (cpu_paged.write_paged, cpu_paged.paged_attend, cpu_paged.paged_attend_serial),
+        "bhsd": (
+            cpu_paged.write_paged_hnd,
+            cpu_paged.paged_attend_hnd,
+            cpu_paged.paged_attend_hnd_serial,
+        ),
     }
     layout: str
 
     def _bind_paged(self) -> None:
-        self.write_paged, self._paged_attend = self._PAGED[self.layout]
+        self.write_paged, self._paged_attend, self._paged_serial = self._PAGED[self.layout]
         self.copy_blocks = cpu_paged.copy_blocks
 
     def paged_attend(
         self, q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, seq_lens, scale, window,
         table, out, hint,
     ) -> None:  # fmt: skip
-        """A task is one sequence, every KV head; long sequences are split when there are
-        too few to keep the thread pool busy (one long decode would use one thread)."""
-        num_seqs, _, longest = hint
-        threads = numba.get_num_threads()
+        """Small work runs on the calling thread (``ATTENTION_PARALLEL_MIN``, as
+        contiguous attention). Otherwise a task is one sequence (a chunk of up to
+        ``QUERY_CHUNK`` of its queries), every KV head; the positions are split when
+        there are too few tasks to keep the thread pool busy."""
+        num_seqs, max_new, longest = hint
+        total, num_heads, dim = q.shape
         splits = _config.ATTENTION_SPLITS  # forced (tests, teaching), else automatic
         if splits is None:
+            # elements of K/V read times the query rows each serves, at most
+            if total * num_heads * longest * dim < _config.ATTENTION_PARALLEL_MIN:
+                self._paged_serial(
+                    q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, seq_lens, scale,
+                    window, out, table,
+                )  # fmt: skip
+                return
+            # tasks: (sequence, chunk of QUERY_CHUNK queries); split the positions when
+            # there are too few to keep every thread busy (a decode of a few sequences)
+            tasks = num_seqs * -(-max_new // cpu_paged.QUERY_CHUNK)
+            threads = numba.get_num_threads()
             splits = 1
-            if num_seqs < 2 * threads and longest >= 1024:
-                splits = min(-(-2 * threads // num_seqs), longest // 512)
+            if tasks < 2 * threads and longest >= 256:
+                splits = min(-(-2 * threads // tasks), longest // 128)
         self._paged_attend(
             q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, seq_lens, scale, window, out,
             table, splits,
@@ -125,6 +145,12 @@ class CUDAPaged:
             num_seqs, num_heads, kv_heads, max_new, span, sm_count=self._dev.sm_count(),
             tile=attn.TILE,
         )  # fmt: skip
+        if max(grid.tasks, grid.chunks) > _GRID_YZ:
+            raise InvalidArgumentError(
+                f"the step needs a grid of {grid.tasks} (sequences x KV heads) by {grid.chunks} "
+                f"(query-row chunks) blocks, but CUDA allows {_GRID_YZ} in each; run fewer "
+                "sequences, or fewer new positions, per step"
+            )
         part = self._dev.scratch(self._paged().paged_scratch_shapes(total, num_heads, dim, grid))
         try:
             kernel[tuple(grid), attn.THREADS](*args, *part, out)

@@ -547,6 +547,31 @@ def test_a_failed_copy_on_write_changes_nothing_a_sequence_holds(rng, monkeypatc
     assert step.num_tokens == 1
 
 
+@pytest.mark.parametrize("window", [None, 50, 2**40])
+def test_a_long_prefill_beside_decodes_matches_the_reference(rng, window):
+    """More queries than one CPU task (QUERY_CHUNK) or one CUDA block takes, in one step
+    with decodes of other sequences; a window far past every sequence changes nothing."""
+    cache = make(num_blocks=64, block_size=8)
+    a, b, c = cache.add(), cache.add(), cache.add()
+    toks = {a: rng.integers(0, 50, 30), b: rng.integers(0, 50, 5), c: np.empty(0, np.int64)}
+    write_step(cache, cache.reserve({a: toks[a], b: toks[b]}), toks)
+    long = 150 if DEVICE == "cpu" else 24  # past QUERY_CHUNK (64) / past ROWS (16) rows
+    new = {a: rng.integers(0, 50, 1), b: rng.integers(0, 50, 1), c: rng.integers(0, 50, long)}
+    for sid in new:
+        toks[sid] = np.concatenate([toks[sid], new[sid]])
+    step = cache.reserve(new)
+    write_step(cache, step, toks)
+    check_attention(cache, step, toks, rng, window=window, layer=0)
+    for splits in (1, 3) if DEVICE == "cpu" else (3,):
+        with nbkv.override_tunables(ATTENTION_SPLITS=splits):
+            check_attention(cache, step, toks, rng, window=window, layer=1)
+
+
+def test_slots_must_fit_int32():
+    with pytest.raises(nbkv.InvalidArgumentError, match="int32"):
+        nbkv.PagedKVCache(2**21, 2**11, num_kv_heads=1, head_dim=1, dtype="float32")
+
+
 # -- the state machine ----------------------------------------------------------------------
 
 

@@ -44,7 +44,15 @@ since they need numba-cuda.
 
 from .cpu import write_cache, write_cache_bshd, write_kv, write_kv_bshd
 from .cpu_attention import append_attend, append_attend_bshd, attend, attend_bshd
-from .cpu_paged import copy_blocks, paged_attend, paged_attend_hnd, write_paged, write_paged_hnd
+from .cpu_paged import (
+    copy_blocks,
+    paged_attend,
+    paged_attend_hnd,
+    paged_attend_hnd_serial,
+    paged_attend_serial,
+    write_paged,
+    write_paged_hnd,
+)
 
 __all__ = [
     "write_kv",
@@ -59,5 +67,7 @@ __all__ = [
     "write_paged_hnd",
     "paged_attend",
     "paged_attend_hnd",
+    "paged_attend_serial",
+    "paged_attend_hnd_serial",
     "copy_blocks",
 ]

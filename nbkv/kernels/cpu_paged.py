@@ -43,8 +43,12 @@ __all__ = [
     "copy_blocks",
     "paged_attend",
     "paged_attend_hnd",
+    "paged_attend_serial",
+    "paged_attend_hnd_serial",
 ]
 
+# queries per task: a long prefill is cut into chunks of them, which run in parallel
+QUERY_CHUNK = 64
 _CHUNK = 128  # positions scored per step of the online softmax (several blocks if small)
 
 
@@ -218,25 +222,33 @@ def _accumulate_page_impl(s, pool, page, off, n, table, buf, acc, c0):
 @njit(cache=True, fastmath=_config.FASTMATH, error_model="numpy")
 def _paged_task(
     q, k_pages, v_pages, num_kv_heads, bs, q_indptr, kv_indptr, kv_indices, seq_lens,
-    scale, window, table, splits, task, part_acc, part_stats,
+    scale, window, table, splits, qchunks, task, part_acc, part_stats,
 ):  # fmt: skip
-    """One (sequence, split), every KV head: the online softmax over the split's
-    positions, left as partial (max, sum, accumulator) rows in ``part_*`` at index
-    ``(sequence * num_kv_heads + head) * splits + split``. ``k_pages``, ``v_pages`` as
-    :func:`_score_page` takes them.
+    """One (sequence, chunk of up to ``QUERY_CHUNK`` of its queries, split of the
+    positions they see), every KV head: the online softmax over the split, left as
+    partial (max, sum, accumulator) rows in ``part_*[token, query head, split]``.
+    ``task = (sequence * qchunks + chunk) * splits + split``; ``k_pages``, ``v_pages``
+    as :func:`_score_page` takes them.
 
     A task takes every head of its sequence, page by page, so that it reads each page
     whole before the next, in memory order (one task per head read a page in pieces a
-    head apart: 0.8x the contiguous kernel's speed at block size 16, measured)."""
+    head apart: 0.8x the contiguous kernel's speed at block size 16, measured). A chunk
+    of queries sees what its last query sees: the sequence as if it ended there."""
     num_heads, dim = q.shape[1], q.shape[2]
     heads = num_kv_heads
     group = num_heads // heads
     sp = task % splits
-    s_id = task // splits
-    q0, n_q = q_indptr[s_id], q_indptr[s_id + 1] - q_indptr[s_id]
-    seq_len = seq_lens[s_id]
+    qc = (task // splits) % qchunks
+    s_id = task // (splits * qchunks)
+    n_all = q_indptr[s_id + 1] - q_indptr[s_id]
+    i0 = qc * QUERY_CHUNK
+    if i0 >= n_all:  # a chunk this sequence does not have
+        return
+    n_q = min(QUERY_CHUNK, n_all - i0)
+    q0 = q_indptr[s_id] + i0
+    seq_len = seq_lens[s_id] - (n_all - i0 - n_q)  # ends at the chunk's last query
     rows = group * n_q
-    first = seq_len - n_q  # position of the first query
+    first = seq_len - n_q  # position of the chunk's first query
     lo = max(0, first - window + 1) if window > 0 else 0
     all_lo = max(0, seq_len - window) if window > 0 else 0
     per = -(-(seq_len - lo) // splits)
@@ -278,51 +290,51 @@ def _paged_task(
             at += n
         j0 = j1
     for h in range(heads):
-        slot = (s_id * heads + h) * splits + sp
         for r in range(rows):
-            part_stats[slot, r, 0] = m[h, r]
-            part_stats[slot, r, 1] = denom[h, r]
+            token, qh = q0 + r % n_q, h * group + r // n_q
+            part_stats[token, qh, sp, 0] = m[h, r]
+            part_stats[token, qh, sp, 1] = denom[h, r]
             for d in range(dim):
-                part_acc[slot, r, d] = acc[h, r, d]
+                part_acc[token, qh, sp, d] = acc[h, r, d]
 
 
 @njit(cache=True, error_model="numpy")
-def _combine(q_indptr, splits, num_kv_heads, group, part_acc, part_stats, out, pair):
-    """out of one (sequence, KV head): the splits' partials, rescaled to a common maximum."""
-    s_id, kvh = pair // num_kv_heads, pair % num_kv_heads
-    q0, n_q = q_indptr[s_id], q_indptr[s_id + 1] - q_indptr[s_id]
-    dim = out.shape[2]
-    base = pair * splits
-    for r in range(group * n_q):
-        top = -np.inf
-        poisoned = False
+def _combine(part_acc, part_stats, out, row):
+    """out[token, head] for ``row = token * num_heads + head``: the splits' partials,
+    rescaled to their common maximum."""
+    token, h = row // out.shape[1], row % out.shape[1]
+    splits, dim = part_acc.shape[2], out.shape[2]
+    top = -np.inf
+    poisoned = False
+    for sp in range(splits):
+        mx = part_stats[token, h, sp, 0]
+        poisoned |= mx != mx
+        top = max(top, mx)
+    for d in range(dim):
+        num = 0.0
+        total = 0.0
         for sp in range(splits):
-            mx = part_stats[base + sp, r, 0]
-            poisoned |= mx != mx
-            top = max(top, mx)
-        h = kvh * group + r // n_q
-        i = q0 + r % n_q
-        for d in range(dim):
-            num = 0.0
-            total = 0.0
-            for sp in range(splits):
-                mx = part_stats[base + sp, r, 0]
-                if mx != -np.inf:
-                    w = np.exp(mx - top)
-                    num += w * part_acc[base + sp, r, d]
-                    total += w * part_stats[base + sp, r, 1]
-            out[i, h, d] = np.nan if poisoned else num / total
+            mx = part_stats[token, h, sp, 0]
+            if mx != -np.inf:
+                w = np.exp(mx - top)
+                num += w * part_acc[token, h, sp, d]
+                total += w * part_stats[token, h, sp, 1]
+        out[token, h, d] = np.nan if poisoned else num / total
 
 
 @njit(cache=True)
-def _scratch(q, q_indptr, num_kv_heads, splits):
-    """Partial results of every (sequence, KV head, split) task: accumulators and stats."""
-    group = q.shape[1] // num_kv_heads
-    max_rows = 1
+def _scratch(q, q_indptr, splits):
+    """Partial results of every (packed query, head, split): accumulators and (max, sum);
+    and the query chunks per sequence."""
+    longest = 1
     for s_id in range(q_indptr.shape[0] - 1):
-        max_rows = max(max_rows, group * (q_indptr[s_id + 1] - q_indptr[s_id]))
-    tasks = (q_indptr.shape[0] - 1) * num_kv_heads * splits
-    return np.empty((tasks, max_rows, q.shape[2]), q.dtype), np.empty((tasks, max_rows, 2), q.dtype)
+        longest = max(longest, q_indptr[s_id + 1] - q_indptr[s_id])
+    total, num_heads, dim = q.shape
+    return (
+        np.empty((total, num_heads, splits, dim), q.dtype),
+        np.empty((total, num_heads, splits, 2), q.dtype),
+        -(-longest // QUERY_CHUNK),
+    )
 
 
 # Both entry points hold their own prange loops: a cache=True function that calls a
@@ -347,15 +359,14 @@ def paged_attend_hnd(
     nb, num_kv_heads, bs, dim = k_pool.shape
     k_pages = k_pool.reshape(nb * num_kv_heads, bs, dim)  # (block, head) pairs: no copy
     v_pages = v_pool.reshape(nb * num_kv_heads, bs, dim)
-    part_acc, part_stats = _scratch(q, q_indptr, num_kv_heads, splits)
-    for task in prange(seq_lens.shape[0] * splits):
+    part_acc, part_stats, qchunks = _scratch(q, q_indptr, splits)
+    for task in prange(seq_lens.shape[0] * qchunks * splits):
         _paged_task(
             q, k_pages, v_pages, num_kv_heads, bs, q_indptr, kv_indptr, kv_indices,
-            seq_lens, scale, window, table, splits, task, part_acc, part_stats,
+            seq_lens, scale, window, table, splits, qchunks, task, part_acc, part_stats,
         )  # fmt: skip
-    group = q.shape[1] // num_kv_heads
-    for pair in prange(seq_lens.shape[0] * num_kv_heads):
-        _combine(q_indptr, splits, num_kv_heads, group, part_acc, part_stats, out, pair)
+    for row in prange(out.shape[0] * out.shape[1]):
+        _combine(part_acc, part_stats, out, row)
 
 
 @njit(parallel=True, cache=True)
@@ -366,12 +377,53 @@ def paged_attend(
     """:func:`paged_attend_hnd` for "nhd" pools [num_blocks, block_size, num_kv_heads,
     head_dim] (any strides; C-contiguous is the fast case). Mutates ``out``."""
     bs, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
-    part_acc, part_stats = _scratch(q, q_indptr, num_kv_heads, splits)
-    for task in prange(seq_lens.shape[0] * splits):
+    part_acc, part_stats, qchunks = _scratch(q, q_indptr, splits)
+    for task in prange(seq_lens.shape[0] * qchunks * splits):
         _paged_task(
             q, k_pool, v_pool, num_kv_heads, bs, q_indptr, kv_indptr, kv_indices,
-            seq_lens, scale, window, table, splits, task, part_acc, part_stats,
+            seq_lens, scale, window, table, splits, qchunks, task, part_acc, part_stats,
         )  # fmt: skip
-    group = q.shape[1] // num_kv_heads
-    for pair in prange(seq_lens.shape[0] * num_kv_heads):
-        _combine(q_indptr, splits, num_kv_heads, group, part_acc, part_stats, out, pair)
+    for row in prange(out.shape[0] * out.shape[1]):
+        _combine(part_acc, part_stats, out, row)
+
+
+@njit(cache=True)
+def _attend_serial(
+    q, k_pages, v_pages, num_kv_heads, bs, q_indptr, kv_indptr, kv_indices, seq_lens,
+    scale, window, out, table,
+):  # fmt: skip
+    part_acc, part_stats, qchunks = _scratch(q, q_indptr, 1)
+    for task in range(seq_lens.shape[0] * qchunks):
+        _paged_task(
+            q, k_pages, v_pages, num_kv_heads, bs, q_indptr, kv_indptr, kv_indices,
+            seq_lens, scale, window, table, 1, qchunks, task, part_acc, part_stats,
+        )  # fmt: skip
+    for row in range(out.shape[0] * out.shape[1]):
+        _combine(part_acc, part_stats, out, row)
+
+
+@njit(cache=True)
+def paged_attend_serial(
+    q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, seq_lens, scale, window, out,
+    table=None,
+):  # fmt: skip
+    """:func:`paged_attend` on the calling thread alone ("nhd"): for small steps (a decode
+    step of a small model), where waking a thread pool costs more than it saves; and
+    inside a user's own parallel loop. Mutates ``out``."""
+    _attend_serial(
+        q, k_pool, v_pool, k_pool.shape[2], k_pool.shape[1], q_indptr, kv_indptr,
+        kv_indices, seq_lens, scale, window, out, table,
+    )  # fmt: skip
+
+
+@njit(cache=True)
+def paged_attend_hnd_serial(
+    q, k_pool, v_pool, q_indptr, kv_indptr, kv_indices, seq_lens, scale, window, out,
+    table=None,
+):  # fmt: skip
+    """:func:`paged_attend_serial` for "hnd" pools (C-contiguous). Mutates ``out``."""
+    nb, num_kv_heads, bs, dim = k_pool.shape
+    _attend_serial(
+        q, k_pool.reshape(nb * num_kv_heads, bs, dim), v_pool.reshape(nb * num_kv_heads, bs, dim),
+        num_kv_heads, bs, q_indptr, kv_indptr, kv_indices, seq_lens, scale, window, out, table,
+    )  # fmt: skip
