@@ -1,9 +1,11 @@
-"""The command line: ``python -m nbkv demo``, ``append-demo``, ``eval`` and ``info``.
+"""The command line: ``python -m nbkv demo``, ``serve-demo``, ``append-demo``, ``eval``, ``info``.
 
 ``demo`` runs :func:`nbkv.demo.run_model_demo` (greedy decoding with the built-in model,
 with an nbkv cache and recomputing without one, timed and plotted); ``append-demo`` runs
 :func:`nbkv.demo.run_append_demo` (a synthetic prefill and decode loop of appends, timed
-against NumPy); ``eval`` scores a model's held-out bits per byte through the cache
+against NumPy); ``serve-demo`` runs :func:`nbkv.serving_demo.run_serve_demo` (continuous
+batching against one request at a time); ``eval`` scores a model's held-out bits per
+byte through the cache
 (:mod:`nbkv.models.evaluate`); ``info`` prints versions, supported dtypes and the state
 of CUDA. This module only parses arguments: the logic lives in :mod:`nbkv.demo` and
 :mod:`nbkv.models.evaluate`. Bad input is reported
@@ -50,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m nbkv", description="nbkv: a KV cache for transformer decoding"
     )
-    sub = parser.add_subparsers(dest="command", metavar="{demo,append-demo,eval,info}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,serve-demo,append-demo,eval,info}")
 
     demo = sub.add_parser(
         "demo",
@@ -79,6 +81,25 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="Numba and BLAS threads while decoding, for both methods (1; 0 leaves both as "
         "they are; BLAS is limited through threadpoolctl, if installed)",
+    )
+
+    serve = sub.add_parser(
+        "serve-demo",
+        help="continuous batching of many requests against one at a time, timed",
+        description="Serve requests of held-out standard-library code with "
+        "nbkv.serving.Engine (continuous batching over a paged cache, prefix caching) and "
+        "with Llama.generate one request at a time; check the outputs are identical; "
+        "print tokens/s, time to first token, peak KV bytes and the prefix-hit rate; plot "
+        "the batch and the blocks in use over the steps (needs matplotlib).",
+    )
+    serve.add_argument("--requests", type=int, default=32, help="requests (32)")
+    serve.add_argument(
+        "--shared", type=int, default=256, help="tokens of the prefix every other one shares (256)"
+    )
+    serve.add_argument("--seed", type=int, default=0, help="seed of the workload (0)")
+    serve.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cache device")
+    serve.add_argument(
+        "--out", dest="out_dir", default="nbkv-serve-demo", help="folder for the plot"
     )
 
     append = sub.add_parser(
@@ -162,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
 
-    run = run_model_demo if args.command == "demo" else run_append_demo
+    if args.command == "serve-demo":
+        from .serving_demo import run_serve_demo
+
+        run = run_serve_demo
+    else:
+        run = run_model_demo if args.command == "demo" else run_append_demo
     options = {k: v for k, v in vars(args).items() if k != "command"}
     if args.command == "demo" and args.threads == 0:
         options["threads"] = None

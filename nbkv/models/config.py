@@ -44,8 +44,9 @@ def _token_id(value: object, name: str) -> int:
     return int(value)
 
 
-def _eos_ids(value: object, name: str) -> tuple[int, ...]:
-    """``None``, an id or a sequence of ids, as a tuple of ids (empty for None)."""
+def eos_ids(value: object, name: str = "eos_token_id") -> tuple[int, ...]:
+    """``None``, an id or a sequence of ids, as a tuple of ids (empty for None), or a
+    typed error naming ``name``."""
     if value is None:
         return ()
     if isinstance(value, (list, tuple)):
@@ -192,7 +193,7 @@ class LlamaConfig:
         put("tie_word_embeddings", bool(self.tie_word_embeddings))
         if self.bos_token_id is not None:
             put("bos_token_id", _token_id(self.bos_token_id, "LlamaConfig.bos_token_id"))
-        eos = _eos_ids(self.eos_token_id, "LlamaConfig.eos_token_id")
+        eos = eos_ids(self.eos_token_id, "LlamaConfig.eos_token_id")
         if self.eos_token_id is not None and not isinstance(self.eos_token_id, (list, tuple)):
             put("eos_token_id", eos[0])
         elif self.eos_token_id is not None:
@@ -203,7 +204,7 @@ class LlamaConfig:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """The end-of-sequence ids, as a tuple (empty when there is none)."""
-        return _eos_ids(self.eos_token_id, "eos_token_id")
+        return eos_ids(self.eos_token_id, "eos_token_id")
 
     @property
     def group(self) -> int:

@@ -48,7 +48,7 @@ from ..errors import (
 from ..kernels.cpu_model import rms_norm, rope, silu_mul
 from ..kvcache import KVCache
 from ..rotating import RotatingKVCache
-from .config import _F32, DEFAULT_CONFIG, LlamaConfig, _eos_ids, _inv_freq, _real
+from .config import _F32, DEFAULT_CONFIG, LlamaConfig, _inv_freq, _real, eos_ids
 
 __all__ = [
     "Llama",
@@ -56,6 +56,7 @@ __all__ = [
     "default_weights",
     "default_training_record",
     "seeded_weights",
+    "pick_next",
     "DEFAULT_MODEL_DIR",
 ]
 
@@ -453,7 +454,7 @@ class Llama:
         Every layer of ``cache`` is checked before any is written, and a forward pass
         that fails part-way (out of memory, an interrupt) puts every layer back as it was.
         """
-        ids = self._token_ids(token_ids, "token_ids")
+        ids = self.token_ids(token_ids, "token_ids")
         self._check_cache(cache, ids.shape[0], ids.shape[1], "token_ids")
         return self._forward_cached(ids, cache)
 
@@ -472,7 +473,7 @@ class Llama:
         -------
         ndarray, float32, [batch, n, vocab_size]
         """
-        ids = self._token_ids(token_ids, "token_ids")
+        ids = self.token_ids(token_ids, "token_ids")
         if window is None:
             window = self._config.sliding_window
         if window is not None and sinks:
@@ -482,6 +483,67 @@ class Llama:
             return _dense_attention(q, k, v, window, sinks)
 
         return self._run(ids, 0, attend, "bhsd")
+
+    def forward_paged(self, token_ids: ArrayLike, cache: Any, step: Any) -> NDArray[np.float32]:
+        """Logits after each sequence's new tokens in a step of a paged cache: one forward
+        pass over the packed ragged batch of several sequences (continuous batching).
+
+        Parameters
+        ----------
+        token_ids : int array [step.num_tokens]
+            The step's new tokens in its order (sequence ``i``'s at ``step.q_indptr[i] ..
+            step.q_indptr[i + 1] - 1``), at the positions ``step.positions``.
+        cache : nbkv.PagedKVCache
+            Of the model's shape: ``num_hidden_layers`` layers of ``num_key_value_heads``
+            heads of ``head_dim``, float32.
+        step : nbkv.PagedStep
+            From ``cache.reserve``, still valid. Every layer's new K/V are written at its
+            slots (``nbkv.paged_append_and_attend``) and attended causally over what each
+            sequence holds (under the config's ``sliding_window``, if any).
+
+        Returns
+        -------
+        ndarray, float32, [num_seqs, vocab_size]: the logits after each sequence's last
+        new token (the next token's distribution).
+
+        Raises
+        ------
+        ArgumentTypeError, ShapeMismatchError, InvalidArgumentError, StaleStepError
+            Bad token ids, a cache of another shape, a step that is not this cache's or
+            is stale, token ids that do not match the step. Checked before anything is
+            written; a pass that fails part-way leaves its step's slots part-written
+            (run the step again: it writes them all).
+        """
+        from ..paged_attention import paged_append_and_attend
+
+        ids = self.token_ids(token_ids, "token_ids")
+        c = self._config
+        if not hasattr(type(cache), "check_step"):
+            raise ArgumentTypeError(
+                f"cache must be an nbkv.PagedKVCache, got {type(cache).__name__}"
+            )
+        got = (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype)
+        want = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim, _F32)
+        if got != want:
+            raise ShapeMismatchError(
+                f"cache holds (layers, kv_heads, head_dim, dtype) {got} but the model needs {want}"
+            )
+        cache.check_step(step)
+        if ids.shape != (1, step.num_tokens):
+            raise ShapeMismatchError(
+                f"token_ids must be 1-D with the step's {step.num_tokens} new tokens, got shape "
+                f"{np.shape(token_ids)}"
+            )
+        window = c.sliding_window
+
+        def attend(i: int, q, k, v):
+            out = paged_append_and_attend(
+                q[0].transpose(1, 0, 2), k[0], v[0], cache, i, step, window=window
+            )
+            return to_host(out).transpose(1, 0, 2)[None]  # [1, heads, total, head_dim]
+
+        last = step.host("q_indptr")[1:] - 1
+        return self._run(ids, step.host("positions"), attend, "bshd", last)[0]
 
     def _forward_cached(self, ids: np.ndarray, cache: KVCache) -> NDArray[np.float32]:
         window = self._config.sliding_window
@@ -500,11 +562,16 @@ class Llama:
                 put_back()
             raise
 
-    def _run(self, ids: np.ndarray, pos: int, attend: Callable, layout: str) -> np.ndarray:
-        """The decoder over ids [batch, n] at positions [pos, pos + n).
+    def _run(
+        self, ids: np.ndarray, pos: Any, attend: Callable, layout: str, last: Any = None
+    ) -> np.ndarray:
+        """The decoder over ids [batch, n] at positions [pos, pos + n) (or at ``pos[j]``
+        for column j, when ``pos`` is an array: a packed batch of several sequences).
 
         ``attend(i, q, k, v)`` gives layer i's attention output [batch, num_heads, n,
         head_dim] for rotated q [batch, num_heads, n, head_dim] and k, v in ``layout``.
+        ``last``: the columns whose logits are wanted (all by default), [batch, len(last),
+        vocab].
         """
         c = self._config
         batch, n = ids.shape
@@ -513,7 +580,8 @@ class Llama:
         q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
         eps = c.rms_norm_eps
         # rotary angles of these positions, in float32 as transformers computes them
-        angles = np.arange(pos, pos + n, dtype=np.float32)[:, None] * self._inv_freq[None, :]
+        at = np.arange(pos, pos + n) if np.isscalar(pos) else np.asarray(pos)
+        angles = at.astype(np.float32)[:, None] * self._inv_freq[None, :]
         cos, sin = np.cos(angles), np.sin(angles)
         bshd = layout == "bshd"
 
@@ -543,6 +611,9 @@ class Llama:
             silu_mul(gate_up, act)
             x += act @ layer.wdown.T
         rms_norm(x, self._norm, eps, h)
+        if last is not None:  # only these columns' logits: the lm_head is the largest product
+            h = np.ascontiguousarray(h.reshape(batch, n, -1)[:, last]).reshape(-1, h.shape[-1])
+            n = h.shape[0] // batch
         return (h @ self._lm_head.T).reshape(batch, n, c.vocab_size)
 
     # -- generation ------------------------------------------------------------------
@@ -593,7 +664,7 @@ class Llama:
         CacheOverflowError
             A given cache without room for the prompt and the new tokens.
         """
-        ids = self._token_ids(prompt_ids, "prompt_ids")
+        ids = self.token_ids(prompt_ids, "prompt_ids")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
             raise ArgumentTypeError(
                 f"max_new_tokens must be an int >= 0, got {type(max_new_tokens).__name__} "
@@ -608,7 +679,7 @@ class Llama:
         if eos_token_id is _FROM_CONFIG:
             eos = self._config.eos_token_ids
         else:
-            eos = _eos_ids(eos_token_id, "eos_token_id")
+            eos = eos_ids(eos_token_id, "eos_token_id")
         if callback is not None and not callable(callback):
             raise ArgumentTypeError(f"callback must be callable, got {type(callback).__name__}")
         batch, prompt = ids.shape
@@ -631,7 +702,7 @@ class Llama:
         logits = self._forward_cached(ids, cache)[:, -1]
         end = prompt + max_new_tokens
         for step in range(max_new_tokens):
-            token = _pick(logits, temperature, rng)
+            token = pick_next(logits, temperature, rng)
             if eos:
                 token[done] = eos[0]
                 done |= np.isin(token, eos_arr)
@@ -647,8 +718,9 @@ class Llama:
 
     # -- validation ------------------------------------------------------------------
 
-    def _token_ids(self, x: ArrayLike, name: str) -> NDArray[np.int64]:
-        """``x`` as int64 [batch, n], every id in [0, vocab_size)."""
+    def token_ids(self, x: ArrayLike, name: str = "token_ids") -> NDArray[np.int64]:
+        """``x`` as int64 [batch, n] (1-D: batch 1), every id in [0, vocab_size), or a
+        typed error naming ``name``."""
         try:
             arr = np.asarray(x)
         except (TypeError, ValueError) as err:
@@ -734,10 +806,12 @@ class Llama:
             )
 
 
-def _pick(
+def pick_next(
     logits: np.ndarray, temperature: float, rng: np.random.Generator | None
 ) -> NDArray[np.int64]:
-    """Next ids [batch] from logits [batch, vocab]: argmax, or a softmax sample."""
+    """Next ids [batch] from logits [batch, vocab]: argmax (``rng`` None), or a sample of
+    ``softmax(logits / temperature)`` with one ``rng.random`` draw per row (what
+    :meth:`Llama.generate` and :class:`nbkv.serving.Engine` do)."""
     if rng is None:
         return logits.argmax(axis=-1).astype(np.int64)
     z = logits.astype(np.float64) / temperature

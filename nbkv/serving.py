@@ -1,0 +1,371 @@
+"""Continuous batching: many requests served at once over one paged cache, the whole loop
+in this file.
+
+An :class:`Engine` keeps its requests in two queues: **waiting** (not admitted yet, or
+preempted) and **running** (holding a sequence of the :class:`nbkv.PagedKVCache`). A
+request's *known* tokens are its prompt and what it has generated; the cache holds the
+K/V of all of them but the last sampled token, which is the next one fed. Each
+:meth:`Engine.step` builds **one packed ragged batch** and runs **one forward pass**:
+
+1. *Decodes*: every running request whose known tokens are all computed but the last
+   gets that one token. If the pool cannot take them, the most recently admitted
+   running request is **preempted**: its sequence is freed and it goes back to the head
+   of the waiting queue, to be recomputed later from its prompt plus what it has
+   generated (with prefix caching, its full blocks are likely still cached, so little is
+   recomputed).
+2. *Prefill chunks*: running requests still prefilling, then waiting requests admitted
+   first come, first served (``cache.add(known tokens)``: a prefix-cache hit starts them
+   past the cached blocks), each taking as many of its remaining tokens as the step's
+   budget (``max_batch_tokens``) and the free blocks allow; a prompt longer than that is
+   prefilled in **chunks** over several steps, beside the running decodes. At most
+   ``max_seqs`` requests run at once.
+3. ``step = cache.reserve(...)``, ``logits = model.forward_paged(ids, cache, step)``: one
+   row of logits per sequence, after its last new token. A sequence whose chunk reached
+   the end of its known tokens samples its next token; a request that produced an end
+   token or ``max_new_tokens`` tokens finishes and frees its sequence.
+
+A request that could never fit (its prompt and new tokens need more blocks than the
+pool has) is refused by :meth:`Engine.add_request`, not left to starve. Greedy outputs
+equal :meth:`nbkv.models.Llama.generate` run alone on each prompt (the tests check it),
+and a seeded sampled request draws as ``generate`` does for one prompt.
+
+>>> import numpy as np
+>>> from nbkv.models import Llama
+>>> from nbkv.serving import Engine
+>>> engine = Engine(Llama.default(), num_blocks=32, block_size=16)
+>>> outs = engine.generate([np.array([100, 101, 102]), np.array([35, 32])], max_new_tokens=4)
+>>> [len(o) for o in outs]
+[7, 6]
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import numbers
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._validate import positive_int
+from .errors import ArgumentTypeError, InvalidArgumentError, OutOfBlocksError
+from .models.config import eos_ids
+from .models.llama import pick_next
+from .paged import PagedKVCache
+
+__all__ = ["Engine", "StepRecord", "DEFAULT_KV_BYTES"]
+
+# num_blocks=None: blocks for max_seqs sequences of the model's context (capped at 2048
+# positions), but no more K/V than this
+DEFAULT_KV_BYTES = 256 << 20
+_MAX_CONTEXT = 2048
+
+
+class StepRecord(NamedTuple):
+    """What one :meth:`Engine.step` did: sequences and tokens in its batch (decodes
+    among them), blocks in use after it, requests preempted, and its wall time."""
+
+    num_seqs: int
+    num_tokens: int
+    num_decodes: int
+    blocks_used: int
+    preempted: int
+    seconds: float
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt: np.ndarray  # int64 [n]
+    max_new_tokens: int
+    eos: tuple[int, ...]
+    temperature: float
+    rng: np.random.Generator | None
+    generated: list[int] = field(default_factory=list)
+    tokens: np.ndarray | None = None  # prompt + generated, room for every new token
+    sid: int | None = None  # its sequence while running
+    computed: int = 0  # known tokens whose K/V the cache holds
+    admitted: int = -1  # admission order while running (preemption takes the newest)
+    added_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    def known(self) -> np.ndarray:
+        """The prompt and what has been generated (a view)."""
+        if self.tokens is None:
+            self.tokens = np.empty(len(self.prompt) + self.max_new_tokens, np.int64)
+            self.tokens[: len(self.prompt)] = self.prompt
+        return self.tokens[: len(self.prompt) + len(self.generated)]
+
+    def next(self, n: int) -> np.ndarray:
+        """The next ``n`` known tokens to compute."""
+        return self.known()[self.computed : self.computed + n]
+
+    def pending(self) -> int:
+        """Known tokens not yet computed (at least 1 while the request is unfinished)."""
+        return len(self.prompt) + len(self.generated) - self.computed
+
+
+class Engine:
+    """Continuous batching of :class:`nbkv.models.Llama` requests over a
+    :class:`nbkv.PagedKVCache` (see the module docstring for the loop).
+
+    Parameters
+    ----------
+    model : nbkv.models.Llama
+    num_blocks : int, optional
+        Blocks of the pool. Default: enough for ``max_seqs`` sequences of the model's
+        context (``max_position_embeddings``, at most 2048 positions), but no more than
+        :data:`DEFAULT_KV_BYTES` (256 MiB) of K/V.
+    block_size : int, default 16
+    max_batch_tokens : int, default 512
+        Tokens of one step's batch (decodes and prefill chunks together); at least
+        ``max_seqs`` would let every running request decode in every step.
+    max_seqs : int, default 64
+        Requests running at once.
+    prefix_caching : bool, default True
+    device : {"cpu", "cuda"}, default "cpu"
+        Where the cache lives (the model's products run on the host).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_batch_tokens: int = 512,
+        max_seqs: int = 64,
+        prefix_caching: bool = True,
+        device: str = "cpu",
+    ) -> None:
+        if not hasattr(model, "forward_paged") or not hasattr(model, "config"):
+            raise ArgumentTypeError(
+                f"model must be an nbkv.models.Llama, got {type(model).__name__}"
+            )
+        c = model.config
+        block_size = positive_int(block_size, "block_size")
+        self._max_batch_tokens = positive_int(max_batch_tokens, "max_batch_tokens")
+        self._max_seqs = positive_int(max_seqs, "max_seqs")
+        if not isinstance(prefix_caching, (bool, np.bool_)):
+            raise ArgumentTypeError(f"prefix_caching must be a bool, got {prefix_caching!r:.40}")
+        if num_blocks is None:
+            per_block = (
+                2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4 * block_size
+            )
+            context = min(c.max_position_embeddings, _MAX_CONTEXT)
+            want = self._max_seqs * math.ceil(context / block_size)
+            num_blocks = max(1, min(want, DEFAULT_KV_BYTES // per_block))
+        self._model = model
+        self._cache = PagedKVCache(
+            num_blocks, block_size, num_layers=c.num_hidden_layers,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype="float32",
+            device=device, prefix_caching=bool(prefix_caching),
+        )  # fmt: skip
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: list[_Request] = []  # in admission order
+        self._requests: dict[int, _Request] = {}
+        self._next_rid = 0
+        self._admissions = 0
+        self.history: list[StepRecord] = []
+        self.preemptions = 0
+
+    # -- what it is ------------------------------------------------------------------
+
+    @property
+    def cache(self) -> PagedKVCache:
+        """The paged cache (read it; the engine owns its sequences)."""
+        return self._cache
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._waiting or self._running)
+
+    def times(self, rid: int) -> dict[str, float | None]:
+        """``perf_counter`` times of request ``rid``: ``added``, ``first_token``,
+        ``finished`` (None until it happens)."""
+        r = self._requests.get(rid)
+        if r is None:
+            raise InvalidArgumentError(f"no request {rid!r:.40}")
+        return {"added": r.added_at, "first_token": r.first_token_at, "finished": r.finished_at}
+
+    # -- requests --------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_ids: Any,
+        *,
+        max_new_tokens: int,
+        eos_token_id: Any = None,
+        temperature: float = 0.0,
+        seed: int | None = None,
+    ) -> int:
+        """Queue a request; its id. ``prompt_ids``: a 1-D array of token ids (at least
+        one). ``eos_token_id``: an id or a sequence of ids that end it (None: exactly
+        ``max_new_tokens``). ``temperature`` 0 decodes greedily; above 0 samples, seeded
+        by ``seed``.
+
+        Raises
+        ------
+        ArgumentTypeError, ShapeMismatchError, InvalidArgumentError
+            Bad prompt ids, ``max_new_tokens`` not an int >= 0, a bad temperature or end id.
+        OutOfBlocksError
+            The prompt and its new tokens need more blocks than the whole pool.
+        """
+        ids = self._model.token_ids(prompt_ids, "prompt_ids")
+        if ids.shape[0] != 1:
+            raise InvalidArgumentError(
+                f"prompt_ids must be one prompt (1-D), got shape {np.shape(prompt_ids)}"
+            )
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise ArgumentTypeError(
+                f"max_new_tokens must be an int >= 0, got {max_new_tokens!r:.40}"
+            )
+        if max_new_tokens < 0:
+            raise InvalidArgumentError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+            raise ArgumentTypeError(f"temperature must be a number >= 0, got {temperature!r:.40}")
+        if not math.isfinite(temperature) or temperature < 0:
+            raise InvalidArgumentError(f"temperature must be finite and >= 0, got {temperature}")
+        eos = eos_ids(eos_token_id, "eos_token_id")
+        prompt = ids[0]
+        bs, blocks = self._cache.block_size, self._cache.num_blocks
+        need = math.ceil((len(prompt) + max(int(max_new_tokens), 1) - 1) / bs)
+        if need > blocks:
+            raise OutOfBlocksError(
+                f"a prompt of {len(prompt)} tokens with max_new_tokens={max_new_tokens} "
+                f"needs {need} blocks of {bs} but the pool has {blocks}; it could never run"
+            )
+        rid = self._next_rid
+        self._next_rid += 1
+        rng = np.random.default_rng(seed) if temperature > 0 else None
+        r = _Request(rid, prompt.copy(), int(max_new_tokens), eos, float(temperature), rng)
+        r.added_at = time.perf_counter()
+        self._requests[rid] = r
+        self._waiting.append(r)
+        return rid
+
+    def generate(self, prompts: Any, **options: Any) -> list[np.ndarray]:
+        """Serve every prompt (keyword options as :meth:`add_request`) until all finish;
+        each ``prompt + new`` ids (int64, 1-D), in the order given."""
+        rids = [self.add_request(p, **options) for p in prompts]
+        done: dict[int, np.ndarray] = {}
+        while any(rid not in done for rid in rids):
+            for rid, ids in self.step():
+                done[rid] = ids
+        return [done[rid] for rid in rids]
+
+    # -- the loop --------------------------------------------------------------------
+
+    def step(self) -> list[tuple[int, np.ndarray]]:
+        """One scheduling step and forward pass; the requests it finished, as
+        ``(request id, prompt + generated ids)``."""
+        t0 = time.perf_counter()
+        finished = self._finish_empty()
+        preempted_before = self.preemptions
+        batch = self._schedule()
+        if not batch:
+            return finished
+        cache = self._cache
+        step = cache.reserve({r.sid: r.next(n) for r, n in batch})
+        ids = np.concatenate([r.next(n) for r, n in batch])
+        logits = self._model.forward_paged(ids, cache, step)
+        decodes = 0
+        for (r, n), row in zip(batch, logits, strict=True):
+            decodes += r.pending() == 1
+            r.computed += n
+            if r.pending() == 0:  # its chunk reached its last known token: the next one
+                token = int(pick_next(row[None], r.temperature, r.rng)[0])
+                r.known()  # (its buffer exists)
+                r.tokens[len(r.prompt) + len(r.generated)] = token
+                r.generated.append(token)
+                if r.first_token_at is None:
+                    r.first_token_at = time.perf_counter()
+                if token in r.eos or len(r.generated) == r.max_new_tokens:
+                    finished.append(self._finish(r))
+        self.history.append(
+            StepRecord(
+                len(batch), len(ids), decodes, cache.num_blocks - cache.num_free_blocks,
+                self.preemptions - preempted_before, time.perf_counter() - t0,
+            )
+        )  # fmt: skip
+        return finished
+
+    def _finish_empty(self) -> list[tuple[int, np.ndarray]]:
+        """Requests asked for no new token finish at once, without running."""
+        out = []
+        for r in [r for r in self._waiting if r.max_new_tokens == 0]:
+            self._waiting.remove(r)
+            out.append(self._finish(r))
+        return out
+
+    def _finish(self, r: _Request) -> tuple[int, np.ndarray]:
+        if r.sid is not None:
+            self._cache.free(r.sid)
+            self._running.remove(r)
+            r.sid = None
+        r.finished_at = time.perf_counter()
+        return r.rid, r.known().copy()
+
+    def _schedule(self) -> list[tuple[_Request, int]]:
+        """This step's batch, as (request, tokens) in order: decodes, then prefill chunks."""
+        cache, bs = self._cache, self._cache.block_size
+        # 1. one token for every decode; preempt the newest running request until they fit
+        while True:
+            decodes = [r for r in self._running if r.pending() == 1]
+            need = cache.blocks_needed({r.sid: r.next(1) for r in decodes}) if decodes else 0
+            if need <= cache.num_free_blocks:
+                break
+            self._preempt(self._running[-1])
+        batch = [(r, 1) for r in decodes]
+        budget = self._max_batch_tokens - len(batch)
+
+        def room(seq_len: int) -> int:  # new tokens a sequence can take in the free blocks
+            free = cache.num_free_blocks - need
+            return max(0, (-seq_len) % bs + free * bs)
+
+        # 2. prefill chunks: running requests first, then admissions, first come first served
+        for r in self._running:
+            if budget <= 0:
+                break
+            if r.pending() > 1:
+                n = min(r.pending(), budget, room(cache.seq_len(r.sid)))
+                if n > 0:
+                    batch.append((r, n))
+                    budget -= n
+                    need += cache.blocks_needed({r.sid: r.next(n)})
+        while self._waiting and budget > 0 and len(self._running) < self._max_seqs:
+            r = self._waiting[0]
+            sid = cache.add(r.known())  # a prefix hit starts it past the cached blocks
+            n = min(len(r.known()) - cache.seq_len(sid), budget, room(cache.seq_len(sid)))
+            if n <= 0:
+                cache.free(sid)
+                break
+            self._waiting.popleft()
+            r.sid, r.computed = sid, cache.seq_len(sid)
+            r.admitted = self._admissions
+            self._admissions += 1
+            self._running.append(r)
+            batch.append((r, n))
+            budget -= n
+            need += cache.blocks_needed({sid: r.next(n)})
+        return batch
+
+    def _preempt(self, r: _Request) -> None:
+        """Free ``r``'s sequence and put it back at the head of the waiting queue; it is
+        recomputed from its prompt plus what it has generated when admitted again."""
+        self._cache.free(r.sid)
+        self._running.remove(r)
+        r.sid, r.computed, r.admitted = None, 0, -1
+        self._waiting.appendleft(r)
+        self.preemptions += 1
