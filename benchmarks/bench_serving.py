@@ -13,9 +13,10 @@ identical outputs before it reports a time. Three parts, ratios within one run:
    their own, around 48), 16 new tokens each; the engine with prefix caching on against
    off. Time to first token, mean over the requests and until the last has one. Target:
    at least 3x faster with prefix caching.
-3. **Memory**: the peak bytes of K/V the engine's pool had in use in part 1 (its
-   ``stats()["bytes_reserved"]``, every step), against 32 contiguous caches sized for the
-   longest request (a batch of ``LayerKVCache`` rows).
+3. **Memory**: the peak bytes of the blocks the engine had in use in part 1 (measured
+   after every step's ``reserve``: a pool of that many blocks would have served the
+   workload; the default ``num_blocks`` allocates more, 256 MiB), against 32 contiguous
+   caches sized for the longest request (a batch of ``LayerKVCache`` rows).
 
 Each contender runs ``ROUNDS`` times, alternating, after a warm-up (JIT, caches) that is
 in no timing; medians are reported. BLAS and Numba threads are left at their defaults for
@@ -116,7 +117,7 @@ def main() -> None:
     results = {"throughput": throughput(model, args.quick)}
     results["shared_prefix"] = shared_prefix(model, args.quick)
     t = results["throughput"]
-    print(f"\n3. memory: peak K/V in use by the engine {t['peak_kv_bytes'] / 2**20:.1f} MiB "
+    print(f"\n3. memory: peak K/V blocks in use by the engine {t['peak_kv_bytes'] / 2**20:.1f} MiB "
           f"against {t['contiguous_bytes'] / 2**20:.1f} MiB for contiguous caches sized for "
           f"the longest request ({t['contiguous_bytes'] / t['peak_kv_bytes']:.1f}x)")  # fmt: skip
     sp = results["shared_prefix"]

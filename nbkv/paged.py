@@ -332,23 +332,11 @@ class PagedKVCache:
         """A new sequence; with prefix caching and ``tokens``, holding the longest run of
         cached full blocks that match a prefix of them (never all: one token is left to
         compute). Pass ``tokens[seq_len(sid):]`` to the first ``reserve``."""
-        matched: list[int] = []
-        keys: list[bytes] = []
         toks = None if tokens is None else _tokens(tokens, "tokens")
+        matched, keys = self._match(toks)
         if toks is not None and self._prefix_caching:
-            bs, pool = self._block_size, self._pool
-            parent_key, parent = self._root, None
-            for i in range((len(toks) - 1) // bs):
-                block_toks = toks[i * bs : (i + 1) * bs]
-                key = block_key(parent_key, block_toks)
-                b = pool.lookup(key, block_toks, parent)
-                if b is None:
-                    break
-                matched.append(b)
-                keys.append(key)
-                parent_key, parent = key, pool.identity(b)
             self._queries += len(toks)
-            self._hits += len(matched) * bs
+            self._hits += len(matched) * self._block_size
         for b in matched:
             self._pool.share(b)
         held = len(matched) * self._block_size
@@ -358,6 +346,34 @@ class PagedKVCache:
         self._seqs[sid] = _Seq(matched, held, tokens_held, keys)
         self._changed()
         return sid
+
+    def match(self, tokens: Any) -> tuple[int, int]:
+        """What ``add(tokens)`` would find now, with nothing changed (and nothing counted
+        in ``stats()``): ``(positions the new sequence would hold, how many of those
+        blocks are cached rather than in use)`` (taking a cached block makes it
+        unavailable to a step: a scheduler subtracts it from ``num_free_blocks``)."""
+        matched, _ = self._match(_tokens(tokens, "tokens"))
+        cached = sum(1 for b in matched if self._pool.refs[b] == 0)
+        return len(matched) * self._block_size, cached
+
+    def _match(self, toks: np.ndarray | None) -> tuple[list[int], list[bytes]]:
+        """The cached full blocks matching a prefix of ``toks`` (never all of it)."""
+        matched: list[int] = []
+        keys: list[bytes] = []
+        if toks is None or not self._prefix_caching:
+            return matched, keys
+        bs, pool = self._block_size, self._pool
+        parent_key, parent = self._root, None
+        for i in range((len(toks) - 1) // bs):
+            block_toks = toks[i * bs : (i + 1) * bs]
+            key = block_key(parent_key, block_toks)
+            b = pool.lookup(key, block_toks, parent)
+            if b is None:
+                break
+            matched.append(b)
+            keys.append(key)
+            parent_key, parent = key, pool.identity(b)
+        return matched, keys
 
     def fork(self, sid: int) -> int:
         """A new sequence sharing every block of ``sid`` (no copy until one is written)."""

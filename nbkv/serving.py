@@ -65,7 +65,8 @@ _MAX_CONTEXT = 2048
 
 class StepRecord(NamedTuple):
     """What one :meth:`Engine.step` did: sequences and tokens in its batch (decodes
-    among them), blocks in use after it, requests preempted, and its wall time."""
+    among them), blocks in use while it ran (after its ``reserve``, before requests that
+    finished freed theirs), requests preempted, and its wall time."""
 
     num_seqs: int
     num_tokens: int
@@ -169,6 +170,7 @@ class Engine:
         self._requests: dict[int, _Request] = {}
         self._next_rid = 0
         self._admissions = 0
+        self._held: list[tuple[int, np.ndarray]] = []  # finished during generate(), not its
         self.history: list[StepRecord] = []
         self.preemptions = 0
 
@@ -188,8 +190,9 @@ class Engine:
         return len(self._running)
 
     def has_unfinished(self) -> bool:
-        """Whether any request is waiting or running."""
-        return bool(self._waiting or self._running)
+        """Whether any request is waiting or running (or finished, not yet returned by
+        :meth:`step`)."""
+        return bool(self._waiting or self._running or self._held)
 
     def times(self, rid: int) -> dict[str, float | None]:
         """``perf_counter`` times of request ``rid``: ``added``, ``first_token``,
@@ -257,46 +260,72 @@ class Engine:
 
     def generate(self, prompts: Any, **options: Any) -> list[np.ndarray]:
         """Serve every prompt (keyword options as :meth:`add_request`) until all finish;
-        each ``prompt + new`` ids (int64, 1-D), in the order given."""
-        rids = [self.add_request(p, **options) for p in prompts]
-        done: dict[int, np.ndarray] = {}
-        while any(rid not in done for rid in rids):
+        each ``prompt + new`` ids (int64, 1-D), in the order given. All or nothing: a bad
+        prompt queues none of them. Requests added before and finished meanwhile are
+        returned by the next :meth:`step`."""
+        rids: list[int] = []
+        try:
+            for p in prompts:
+                rids.append(self.add_request(p, **options))
+        except BaseException:  # all or nothing: the ones queued before the bad one leave
+            for rid in rids:
+                self._waiting.remove(self._requests.pop(rid))
+            raise
+        mine, done = set(rids), {}
+        while len(done) < len(rids):
             for rid, ids in self.step():
-                done[rid] = ids
+                if rid in mine:
+                    done[rid] = ids
+                else:  # another caller's request: the next step() returns it
+                    self._held.append((rid, ids))
         return [done[rid] for rid in rids]
 
     # -- the loop --------------------------------------------------------------------
 
     def step(self) -> list[tuple[int, np.ndarray]]:
         """One scheduling step and forward pass; the requests it finished, as
-        ``(request id, prompt + generated ids)``."""
+        ``(request id, prompt + generated ids)``. If the forward pass raises (an
+        interrupt), the step's positions are taken back and the engine stays usable: the
+        next step computes them again."""
         t0 = time.perf_counter()
-        finished = self._finish_empty()
+        finished, self._held = self._held + self._finish_empty(), []
         preempted_before = self.preemptions
         batch = self._schedule()
         if not batch:
             return finished
         cache = self._cache
         step = cache.reserve({r.sid: r.next(n) for r, n in batch})
+        in_use = cache.num_blocks - cache.num_free_blocks  # the step's peak
         ids = np.concatenate([r.next(n) for r, n in batch])
-        logits = self._model.forward_paged(ids, cache, step)
-        decodes = 0
-        for (r, n), row in zip(batch, logits, strict=True):
-            decodes += r.pending() == 1
+        try:
+            logits = self._model.forward_paged(ids, cache, step)
+            # the next token of every sequence whose chunk reached its last known token,
+            # sampled before any request changes (all or nothing)
+            picks = [
+                int(pick_next(row[None], r.temperature, r.rng)[0]) if r.pending() == n else None
+                for (r, n), row in zip(batch, logits, strict=True)
+            ]
+        except BaseException:  # (an interrupt, out of memory) undo the reserve: the
+            for r, n in batch:  # next step computes these tokens again
+                cache.trim(r.sid, n)
+            raise
+        decodes = sum(r.pending() == 1 for r, _ in batch)
+        now = time.perf_counter()
+        for (r, n), token in zip(batch, picks, strict=True):
             r.computed += n
-            if r.pending() == 0:  # its chunk reached its last known token: the next one
-                token = int(pick_next(row[None], r.temperature, r.rng)[0])
-                r.known()  # (its buffer exists)
-                r.tokens[len(r.prompt) + len(r.generated)] = token
-                r.generated.append(token)
-                if r.first_token_at is None:
-                    r.first_token_at = time.perf_counter()
-                if token in r.eos or len(r.generated) == r.max_new_tokens:
-                    finished.append(self._finish(r))
+            if token is None:
+                continue
+            r.known()  # (its buffer exists)
+            r.tokens[len(r.prompt) + len(r.generated)] = token
+            r.generated.append(token)
+            if r.first_token_at is None:
+                r.first_token_at = now
+            if token in r.eos or len(r.generated) == r.max_new_tokens:
+                finished.append(self._finish(r))
         self.history.append(
             StepRecord(
-                len(batch), len(ids), decodes, cache.num_blocks - cache.num_free_blocks,
-                self.preemptions - preempted_before, time.perf_counter() - t0,
+                len(batch), len(ids), decodes, in_use, self.preemptions - preempted_before,
+                time.perf_counter() - t0,
             )
         )  # fmt: skip
         return finished
@@ -330,28 +359,32 @@ class Engine:
         batch = [(r, 1) for r in decodes]
         budget = self._max_batch_tokens - len(batch)
 
-        def room(seq_len: int) -> int:  # new tokens a sequence can take in the free blocks
-            free = cache.num_free_blocks - need
-            return max(0, (-seq_len) % bs + free * bs)
+        def room(seq_len: int, copy: bool, taken: int = 0) -> int:
+            """New tokens a sequence can take in the blocks still free (``copy``: its
+            last block must be copied first; ``taken``: cached blocks a hit takes)."""
+            free = cache.num_free_blocks - need - taken - copy
+            return max(0, (-seq_len) % bs + free * bs) if free >= 0 else 0
 
         # 2. prefill chunks: running requests first, then admissions, first come first served
         for r in self._running:
             if budget <= 0:
                 break
             if r.pending() > 1:
-                n = min(r.pending(), budget, room(cache.seq_len(r.sid)))
+                held = cache.seq_len(r.sid)  # a copy on write: its partial last block is keyed
+                copy = bool(held % bs) and cache.blocks_needed({r.sid: r.next(1)}) == 1
+                n = min(r.pending(), budget, room(held, copy))
                 if n > 0:
                     batch.append((r, n))
                     budget -= n
                     need += cache.blocks_needed({r.sid: r.next(n)})
         while self._waiting and budget > 0 and len(self._running) < self._max_seqs:
             r = self._waiting[0]
-            sid = cache.add(r.known())  # a prefix hit starts it past the cached blocks
-            n = min(len(r.known()) - cache.seq_len(sid), budget, room(cache.seq_len(sid)))
+            hit, taken = cache.match(r.known())  # what add() would find, nothing changed
+            n = min(len(r.known()) - hit, budget, room(hit, False, taken))
             if n <= 0:
-                cache.free(sid)
-                break
+                break  # it waits for blocks: first come, first served
             self._waiting.popleft()
+            sid = cache.add(r.known())  # starts past the cached blocks it matched
             r.sid, r.computed = sid, cache.seq_len(sid)
             r.admitted = self._admissions
             self._admissions += 1

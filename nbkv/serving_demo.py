@@ -114,16 +114,18 @@ def run_engine(
         for p, m in zip(work.prompts, work.max_new_tokens, strict=True)
     ]
     done: dict[int, np.ndarray] = {}
-    peak, drawn = 0, (-1, 0.0)
+    drawn = (-1, 0.0)
     while engine.has_unfinished():
         done.update(engine.step())
-        peak = max(peak, engine.cache.stats()["bytes_reserved"])
         now = time.perf_counter()
         if len(done) != drawn[0] and (now - drawn[1] > 0.25 or len(done) == len(rids)):
             _bar(progress, label, len(done), len(rids), t0)  # on a change, 4 times a second
             drawn = (len(done), now)
     seconds = time.perf_counter() - t0
     ttft = [engine.times(r)["first_token"] - t0 for r in rids]
+    c, bs = model.config, engine.cache.block_size
+    block_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4 * bs
+    peak = max(h.blocks_used for h in engine.history) * block_bytes  # blocks in use
     s = engine.cache.stats()
     rate = s["prefix_hit_tokens"] / s["prefix_query_tokens"] if s["prefix_query_tokens"] else 0.0
     return RunResult([done[r] for r in rids], seconds, ttft, peak, engine.history, rate)

@@ -180,6 +180,19 @@ def test_prefix_caching_reuses_full_blocks_and_never_all_the_tokens(rng):
     assert s["prefix_query_tokens"] == 11 + 11 + 8 + 8 and s["prefix_hit_tokens"] == 8 + 4 + 4
 
 
+def test_match_finds_what_add_would_and_changes_nothing(rng):
+    cache = make(num_blocks=8, block_size=2, prefix_caching=True)
+    prompt = rng.integers(0, 50, 7)
+    a = cache.add(prompt)
+    write_step(cache, cache.reserve({a: prompt}), {a: prompt})
+    assert cache.match(prompt) == (6, 0)  # 3 full blocks, in use (not cached)
+    cache.free(a)
+    before = (cache.stats(), cache.cached_blocks().tolist())
+    assert cache.match(prompt) == (6, 3) and cache.match(prompt[:3]) == (2, 1)
+    assert (cache.stats(), cache.cached_blocks().tolist()) == before
+    assert cache.seq_len(cache.add(prompt)) == 6
+
+
 def test_freed_blocks_stay_cached_until_evicted_tail_first(rng):
     cache = make(num_blocks=4, block_size=2, prefix_caching=True)
     prompt = rng.integers(0, 50, 8)  # 4 full blocks: the whole pool

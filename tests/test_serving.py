@@ -175,3 +175,52 @@ def test_forward_paged_checks_its_step_and_ids(model, rng):
     small = nbkv.PagedKVCache(8, 4, num_kv_heads=2, head_dim=c.head_dim, dtype="float32")
     with pytest.raises(nbkv.ShapeMismatchError):
         model.forward_paged(np.array([1]), small, small.reserve({small.add(): 1}))
+
+
+def test_a_step_interrupted_in_its_forward_pass_is_taken_back(model, rng, monkeypatch):
+    """forward_paged raising (an interrupt) leaves every sequence as it was before the
+    step, and serving continues to the same outputs."""
+    prompts = prompts_of(rng, 3)
+    engine = Engine(model, num_blocks=64, block_size=4, device=DEVICE)
+    rids = [engine.add_request(p, max_new_tokens=NEW, eos_token_id=EOS) for p in prompts]
+    done = dict(engine.step())
+    before = {s: engine.cache.seq_len(s) for s in engine.cache.seq_ids}
+    real, calls = type(model).forward_paged, [0]
+
+    def failing(self, *args):
+        calls[0] += 1
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(model), "forward_paged", failing)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.setattr(type(model), "forward_paged", real)
+    assert calls[0] == 1 and {s: engine.cache.seq_len(s) for s in engine.cache.seq_ids} == before
+    while engine.has_unfinished():
+        done.update(engine.step())
+    for rid, w in zip(rids, alone(model, prompts), strict=True):
+        np.testing.assert_array_equal(done[rid], w)
+
+
+def test_generate_is_all_or_nothing_and_keeps_other_requests_results(model):
+    engine = Engine(model, num_blocks=16, block_size=4, device=DEVICE)
+    other = engine.add_request(np.array([40, 41]), max_new_tokens=2)
+    with pytest.raises(nbkv.OutOfBlocksError):
+        engine.generate([np.array([1, 2]), np.arange(100) % 90], max_new_tokens=2)
+    assert engine.num_waiting == 1  # only the request added before
+    outs = engine.generate([np.array([50])], max_new_tokens=2)
+    assert len(outs) == 1 and len(outs[0]) == 3
+    assert engine.has_unfinished()  # `other` finished meanwhile: held for step()
+    ((rid, ids),) = engine.step()
+    assert rid == other and len(ids) == 4 and not engine.has_unfinished()
+
+
+def test_waiting_requests_do_not_count_prefix_queries_until_admitted(model, rng):
+    """A request that waits for blocks is looked up (match), not added and freed: the
+    prefix-cache statistics count each admission once."""
+    engine = Engine(model, num_blocks=12, block_size=4, max_seqs=8, device=DEVICE)
+    prompts = [rng.integers(32, 127, 12) for _ in range(6)]
+    engine.generate(prompts, max_new_tokens=NEW)
+    s = engine.cache.stats()
+    admitted = sum(len(p) for p in prompts) + engine.preemptions * (12 + NEW)
+    assert s["prefix_query_tokens"] <= admitted
