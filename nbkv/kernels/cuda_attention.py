@@ -69,6 +69,38 @@ def _widen(x, table):
     return table[np.int32(x)]
 
 
+@cuda.jit(device=True, inline=True)
+def _tile_softmax(s, m, den, corr, t):
+    """Step 2 of a tile, for query row ``t``: raise its running maximum ``m[t]`` to the
+    tile's, rescale its sum ``den[t]`` (the factor left in ``corr[t]`` for the
+    accumulators) and turn its scores ``s[t, :]`` into weights. A row with nothing finite
+    in the tile gets weights 0 (and NaN throughout if a score was NaN)."""
+    tile_max = _NEG_INF
+    for i in range(TILE):
+        tile_max = max(tile_max, s[t, i])
+    if tile_max == _NEG_INF:  # nothing finite in this row of the tile
+        poisoned = False
+        for i in range(TILE):
+            poisoned = poisoned or s[t, i] != s[t, i]
+            s[t, i] = 0.0
+        corr[t] = 1.0
+        if poisoned:  # a NaN score (max() drops NaN): the row's output is NaN
+            m[t] = math.nan
+            den[t] = math.nan
+            corr[t] = math.nan
+    else:
+        m_new = max(m[t], tile_max)
+        c = math.exp(m[t] - m_new)  # exp(-inf) = 0 on the first tile
+        total = den[t] * c
+        for i in range(TILE):
+            w = math.exp(s[t, i] - m_new)
+            s[t, i] = w
+            total += w
+        den[t] = total
+        m[t] = m_new
+        corr[t] = c
+
+
 def _make(bshd: bool):
     """The two kernels of one layout (``bshd`` is a compile-time constant)."""
 
@@ -184,30 +216,7 @@ def _make(bshd: bool):
             cuda.syncthreads()
             # 2. online softmax: thread r rescales row r and turns scores into weights
             if t < rows:
-                tile_max = _NEG_INF
-                for i in range(TILE):
-                    tile_max = max(tile_max, s[t, i])
-                if tile_max == _NEG_INF:  # nothing finite in this row of the tile
-                    poisoned = False
-                    for i in range(TILE):
-                        poisoned = poisoned or s[t, i] != s[t, i]
-                        s[t, i] = 0.0
-                    corr[t] = 1.0
-                    if poisoned:  # a NaN score (max() drops NaN): the row's output is NaN
-                        m[t] = math.nan
-                        den[t] = math.nan
-                        corr[t] = math.nan
-                else:
-                    m_new = max(m[t], tile_max)
-                    c = math.exp(m[t] - m_new)  # exp(-inf) = 0 on the first tile
-                    total = den[t] * c
-                    for i in range(TILE):
-                        w = math.exp(s[t, i] - m_new)
-                        s[t, i] = w
-                        total += w
-                    den[t] = total
-                    m[t] = m_new
-                    corr[t] = c
+                _tile_softmax(s, m, den, corr, t)
             cuda.syncthreads()
             # 3. values: thread t owns dimensions t, t + THREADS, ...; reads are coalesced
             n_tile = min(TILE, end - j0)

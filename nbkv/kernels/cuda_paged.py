@@ -47,6 +47,7 @@ from .cuda_attention import (
     ROWS,
     THREADS,
     TILE,
+    _tile_softmax,
     _widen,
 )
 
@@ -228,30 +229,7 @@ def _make_attend(hnd: bool):
             cuda.syncthreads()
             # 2. online softmax: thread r rescales row r and turns scores into weights
             if t < rows:
-                tile_max = _NEG_INF
-                for i in range(TILE):
-                    tile_max = max(tile_max, s[t, i])
-                if tile_max == _NEG_INF:
-                    poisoned = False
-                    for i in range(TILE):
-                        poisoned = poisoned or s[t, i] != s[t, i]
-                        s[t, i] = 0.0
-                    corr[t] = 1.0
-                    if poisoned:
-                        m[t] = math.nan
-                        den[t] = math.nan
-                        corr[t] = math.nan
-                else:
-                    m_new = max(m[t], tile_max)
-                    c = math.exp(m[t] - m_new)
-                    total = den[t] * c
-                    for i in range(TILE):
-                        w = math.exp(s[t, i] - m_new)
-                        s[t, i] = w
-                        total += w
-                    den[t] = total
-                    m[t] = m_new
-                    corr[t] = c
+                _tile_softmax(s, m, den, corr, t)
             cuda.syncthreads()
             # 3. values: thread t owns dimensions t, t + THREADS, ...; reads are coalesced
             n_tile = min(TILE, end - j0)
