@@ -331,9 +331,19 @@ def test_bad_writes_and_queries_are_typed_errors_that_write_nothing(rng):
         (lambda: cache.get_kv(-3, a), nbkv.LayerIndexError),
         (lambda: cache.trim(a, -1), nbkv.InvalidArgumentError),
         (lambda: cache.fork(1.0), nbkv.ArgumentTypeError),
+        (lambda: cache.free(99), nbkv.InvalidArgumentError),
+        (lambda: cache.add("abc"), nbkv.ArgumentTypeError),
+        (lambda: cache.add(np.ones((2, 2), np.int64)), nbkv.ArgumentTypeError),
+        (lambda: cache.match(np.array([], np.int64)), nbkv.InvalidArgumentError),
+        (lambda: cache.match([1.5]), nbkv.ArgumentTypeError),
+        (lambda: cache.blocks_needed({a: 0}), nbkv.InvalidArgumentError),
+        (lambda: cache.blocks_needed([a]), nbkv.ArgumentTypeError),
+        (lambda: cache.blocks_needed({99: 1}), nbkv.InvalidArgumentError),
     ):  # fmt: skip
+        before = _everything(cache)
         with pytest.raises(error):
             call()
+        assert _everything(cache) == before
     np.testing.assert_array_equal(host(cache.get_kv(0, a)[0]), K0)
 
 
