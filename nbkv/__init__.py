@@ -36,6 +36,7 @@ from .layout import LAYOUTS
 from .paged import PagedKVCache
 from .paged_attention import paged_append_and_attend, paged_attention
 from .persist import load, load_state, save
+from .quantized import QuantizedKVCache
 from .rotating import RotatingKVCache
 
 __version__ = "0.1.0"
@@ -48,6 +49,7 @@ __all__ = [
     "KVCache",
     "RotatingKVCache",
     "PagedKVCache",
+    "QuantizedKVCache",
     "attention",
     "paged_attention",
     "paged_append_and_attend",

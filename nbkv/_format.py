@@ -175,6 +175,38 @@ def _layer_shape(meta: dict) -> tuple[int, int, int, int]:
     )
 
 
+def _layer_specs(meta: dict) -> list[tuple[str, str, tuple]]:
+    """(name, safetensors dtype, shape) of each tensor of a checked layer meta: ``k`` and
+    ``v`` of the layer's shape and dtype, or the tensors it declares; none if never
+    allocated."""
+    if not meta["allocated"]:
+        return []
+    if "tensors" in meta:
+        return [(name, code, tuple(shape)) for name, (code, shape) in meta["tensors"].items()]
+    return [(w, CODES[meta["dtype"]], _layer_shape(meta)) for w in "kv"]
+
+
+_TENSOR_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+MAX_TENSORS = 16  # tensors a layer may declare
+
+
+def _check_declared(m: MetaReader) -> None:
+    """A layer meta's own ``tensors``: name -> [safetensors dtype, shape], bounded."""
+    declared = m.get("tensors")
+    if not isinstance(declared, dict) or not 0 < len(declared) <= MAX_TENSORS:
+        raise m.fail(f"metadata tensors must map 1 to {MAX_TENSORS} names to [dtype, shape]")
+    for name, spec in declared.items():
+        if not _TENSOR_NAME.fullmatch(name) or name in ("k", "v"):
+            raise m.fail(f"metadata tensors: {name!r:.40} is not a tensor name this format allows")
+        ok = isinstance(spec, list) and len(spec) == 2 and spec[0] in _st.DTYPES
+        shape = spec[1] if ok else None
+        ok = ok and isinstance(shape, list) and 1 <= len(shape) <= 8
+        if not ok or not all(type(x) is int and 0 <= x <= MAX_SIZE for x in shape):
+            raise m.fail(f"metadata tensors: {name} must be [dtype, shape], got {spec!r:.60}")
+        if _st.DTYPES[spec[0]] is None:
+            raise m.fail(f"metadata tensors: {name} is {spec[0]}, which needs ml_dtypes")
+
+
 def _compact(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
@@ -239,10 +271,9 @@ def write_file(path: Any, state: CacheState) -> None:
     target = file_path(path)
     metas = [layer.meta for layer in state.layers]
     specs = [
-        (tensor_name(i, w), CODES[meta["dtype"]], _layer_shape(meta))
+        (tensor_name(i, w), code, shape)
         for i, meta in enumerate(metas)
-        if meta["allocated"]
-        for w in "kv"
+        for w, code, shape in _layer_specs(meta)
     ]
     metadata = {
         "format": FORMAT,
@@ -265,9 +296,11 @@ def write_file(path: Any, state: CacheState) -> None:
                 if not layer.meta["allocated"]:
                     continue
                 held = layer.held()
-                for which, arr in zip("kv", held, strict=True):
-                    name = tensor_name(i, which)
-                    if tuple(arr.shape) != _layer_shape(layer.meta):
+                if not isinstance(held, dict):
+                    held = dict(zip("kv", held, strict=True))
+                for which, _, shape in _layer_specs(layer.meta):
+                    name, arr = tensor_name(i, which), held[which]
+                    if tuple(arr.shape) != shape:
                         raise RuntimeError(
                             f"nbkv.save: {name} has shape {arr.shape}, not its meta's"
                         )
@@ -343,6 +376,8 @@ def _check_layer_meta(meta: Any, here: str) -> dict:
         raise m.fail("the layer is allocated, but its dtype or sizes are missing")
     if not allocated and meta["seq_len"]:
         raise m.fail(f"the layer is not allocated but holds seq_len {meta['seq_len']}")
+    if "tensors" in meta:
+        _check_declared(m)
     return meta
 
 
@@ -360,8 +395,18 @@ def check_loaded_layer(layer: Any, i: int | None, where: str) -> LoadedLayer:
         if layer.k is not None or layer.v is not None:
             raise CacheFormatError(f"{here}: a layer never allocated holds no tensors")
         return layer
-    want, dtype = _layer_shape(meta), meta_dtype(meta)
-    for which, t in (("k", layer.k), ("v", layer.v)):
+    specs = _layer_specs(meta)
+    if "tensors" in meta:
+        got = layer.tensors if isinstance(layer.tensors, dict) else {}
+        if layer.k is not None or layer.v is not None or got.keys() != meta["tensors"].keys():
+            raise CacheFormatError(
+                f"{here}: the layer declares tensors {sorted(meta['tensors'])[:8]}, and holds "
+                f"k, v and {sorted(got)[:8]}"
+            )
+    else:
+        got = {"k": layer.k, "v": layer.v}
+    for which, code, want in specs:
+        t, dtype = got[which], _st.DTYPES[code]
         if not (isinstance(t, np.ndarray) or isinstance(t, FileTensor)):
             raise CacheFormatError(
                 f"{here}: tensor {which} must be a host array of shape {want}, got "
@@ -432,10 +477,8 @@ def _expected(metas: list[dict], tensors: dict, crc: dict, where: str) -> dict:
     """The tensors the metas describe, checked against those the file holds."""
     expected = {}
     for i, meta in enumerate(metas):
-        if meta["allocated"]:
-            dtype = meta_dtype(meta)
-            for which in "kv":
-                expected[tensor_name(i, which)] = (dtype, _layer_shape(meta))
+        for which, code, shape in _layer_specs(meta):
+            expected[tensor_name(i, which)] = (_st.DTYPES[code], shape)
     missing = sorted(expected.keys() - tensors.keys())
     extra = sorted(tensors.keys() - expected.keys())
     if missing or extra:
@@ -559,7 +602,15 @@ def open_file(path: Any) -> Iterator[LoadedState]:
             dtype, shape, begin, _ = tensors[name]
             return FileTensor(f, where, name, dtype, shape, 8 + n + begin, int(crc[name], 16))
 
-        layers = [LoadedLayer(meta, tensor(i, "k"), tensor(i, "v")) for i, meta in enumerate(metas)]
+        def declared(i: int, meta: dict) -> dict | None:
+            if "tensors" not in meta:
+                return None
+            return {name: tensor(i, name) for name in meta["tensors"]}
+
+        layers = [
+            LoadedLayer(meta, tensor(i, "k"), tensor(i, "v"), declared(i, meta))
+            for i, meta in enumerate(metas)
+        ]
         yield LoadedState(kind, layers, where)
 
 
@@ -568,7 +619,11 @@ def read_file(path: Any) -> LoadedState:
     and its CRC32 checked before this returns). Raises as :func:`open_file`."""
     with open_file(path) as state:
         layers = [
-            LoadedLayer(x.meta, *(None if t is None else t.read() for t in (x.k, x.v)))
+            LoadedLayer(
+                x.meta,
+                *(None if t is None else t.read() for t in (x.k, x.v)),
+                None if x.tensors is None else {n: t.read() for n, t in x.tensors.items()},
+            )
             for x in state.layers
         ]
     return LoadedState(state.type, layers, state.where)

@@ -68,7 +68,10 @@ State, for persistence (``nbkv.save``/``load``/``load_state``) and any other tra
     :class:`LayerState` (a JSON-able ``meta`` dict, and a function that returns the
     positions held as host arrays ``(k, v)`` in position order and in ``meta["layout"]``,
     or ``None`` when the layer was never allocated; called once per layer, so a CUDA
-    cache copies one layer at a time to the host).
+    cache copies one layer at a time to the host). A layer that stores something else
+    than K/V in its dtype (a quantized layer: codes, scales, a window) declares its own
+    tensors in ``meta["tensors"]`` (name -> ``[safetensors dtype, shape]``) and ``held``
+    returns a dict of them by name; it reads them back from ``LoadedLayer.tensors``.
 ``from_state(state, *, device, layout)`` (classmethod)
     A new cache of this type holding ``state`` (a :class:`LoadedState`: metas and host
     arrays); every check first, :class:`~nbkv.CacheFormatError` for a state this type
@@ -181,11 +184,15 @@ class CacheState(NamedTuple):
 
 
 class LoadedLayer(NamedTuple):
-    """One layer, read back: ``meta`` and host arrays (None where nothing is held)."""
+    """One layer, read back: ``meta`` and host arrays (None where nothing is held).
+
+    A layer whose meta declares its own ``tensors`` (a quantized layer's codes and
+    scales) has them in ``tensors`` (name -> array) and ``k``, ``v`` None."""
 
     meta: dict
     k: np.ndarray | None
     v: np.ndarray | None
+    tensors: dict | None = None
 
 
 class LoadedState(NamedTuple):

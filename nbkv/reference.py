@@ -11,7 +11,7 @@ import numpy as np
 
 from .layout import SEQ_AXIS, check_layout
 
-__all__ = ["append", "attention", "empty_kv"]
+__all__ = ["append", "attention", "empty_kv", "quantize", "dequantize", "quantized_kv"]
 
 
 def empty_kv(
@@ -75,3 +75,73 @@ def attention(
             weights /= weights.sum(axis=1, keepdims=True)
             out[b, h] = weights @ V64[b, h // group]
     return out
+
+
+# -- the quantized cache (KIVI), as nbkv.QuantizedKVCache defines it -----------------
+
+
+def _to16(x: np.ndarray, kind: str) -> np.ndarray:
+    """float32 ``x`` rounded to the 16-bit type ``kind`` ("float16" or "bfloat16"), back
+    as float32 (round to nearest, ties to even)."""
+    x = np.asarray(x, np.float32)
+    if kind == "float16":
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16).astype(np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32)
+
+
+def quantize(
+    x: np.ndarray, bits: int, axis: int, kind: str = "float16"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Quantize ``x`` (float32) with one scale and zero point per slice along ``axis``
+    (the group's members): ``(codes, scale, zero)``, scale and zero as float32 values of
+    their 16-bit storage (``kind``), reduced along ``axis`` with keepdims.
+
+    ``scale = (max - min) / (2**bits - 1)`` and ``zero = min`` in float32, each rounded to
+    ``kind``; ``code = clip(rint((x - zero) / scale), 0, 2**bits - 1)``, 0 where the scale
+    is 0."""
+    x = np.asarray(x, np.float32)
+    levels = np.float32(2**bits - 1)
+    lo = x.min(axis=axis, keepdims=True)
+    hi = x.max(axis=axis, keepdims=True)
+    scale = _to16((hi - lo) / levels, kind)
+    zero = _to16(lo, kind)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        c = np.rint((x - zero) / np.where(scale == 0, np.float32(1), scale))
+    codes = np.where(scale == 0, 0, np.clip(c, 0, levels)).astype(np.uint8)
+    return codes, scale, zero
+
+
+def dequantize(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
+    """``zero + code * scale`` in float32."""
+    return (zero + codes.astype(np.float32) * scale).astype(np.float32)
+
+
+def quantized_kv(
+    k: np.ndarray,
+    v: np.ndarray,
+    q_len: int,
+    *,
+    bits: tuple[int, int],
+    group_size: int,
+    kind: str = "float16",
+) -> tuple[np.ndarray, np.ndarray]:
+    """What a quantized cache holding ``k``, ``v`` (float32, [batch, heads, seq, head_dim])
+    with positions ``[0, q_len)`` in codes returns (float32, before rounding to its dtype):
+    K quantized per channel over groups of ``group_size`` positions, V per position over
+    groups of ``min(group_size, head_dim)`` channels, the window ``[q_len, seq)`` as is."""
+    batch, heads, seq, dim = k.shape
+    G, Gv = group_size, min(group_size, dim)
+    K, V = np.array(k, np.float32), np.array(v, np.float32)
+    if q_len:
+        kg = K[:, :, :q_len].reshape(batch, heads, q_len // G, G, dim)
+        K[:, :, :q_len] = dequantize(*quantize(kg, bits[0], 3, kind)).reshape(
+            batch, heads, q_len, dim
+        )
+        vg = V[:, :, :q_len].reshape(batch, heads, q_len, dim // Gv, Gv)
+        V[:, :, :q_len] = dequantize(*quantize(vg, bits[1], 4, kind)).reshape(
+            batch, heads, q_len, dim
+        )
+    return K, V

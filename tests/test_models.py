@@ -478,7 +478,7 @@ def test_prompt_longer_than_the_cache_raises_and_writes_nothing(tiny, rng):
         (lambda m: m.new_cache(batch=2, max_seq_len=8), nbkv.ShapeMismatchError, "batch 2"),
         (lambda m: nbkv.KVCache(2, 8, num_kv_heads=3), nbkv.ShapeMismatchError, "num_kv_heads 3"),
         (lambda m: nbkv.KVCache(2, 8, head_dim=8), nbkv.ShapeMismatchError, "head_dim 8"),
-        (lambda m: nbkv.KVCache(2, 8, dtype="float16"), nbkv.DTypeMismatchError, "float32"),
+        (lambda m: nbkv.KVCache(2, 8, dtype="float64"), nbkv.DTypeMismatchError, "float32"),
         (lambda m: {"not": "a cache"}, nbkv.ArgumentTypeError, "nbkv.KVCache"),
     ],
 )

@@ -38,6 +38,7 @@ from .._validate import nonnegative_int
 from ..attention import attention
 from ..backends import DEVICES, to_host
 from ..cache import DEFAULT_MAX_SEQ_LEN
+from ..dtypes import resolve_dtype, supported_dtypes
 from ..errors import (
     ArgumentTypeError,
     CacheOverflowError,
@@ -59,6 +60,9 @@ __all__ = [
     "pick_next",
     "DEFAULT_MODEL_DIR",
 ]
+
+# the dtypes a model's cache may store (the model computes in float32)
+_CACHE_DTYPES = tuple(d for d in supported_dtypes() if d.itemsize <= 4)
 
 # -- attention -----------------------------------------------------------------------
 
@@ -385,43 +389,59 @@ class Llama:
         layout: str = "bhsd",
         window: int | None = None,
         sinks: int = 0,
+        dtype: Any = "float32",
+        bits: Any = None,
+        group_size: int = 64,
+        residual: int = 128,
     ) -> KVCache:
-        """An empty float32 :class:`nbkv.KVCache` for this model, allocated at once.
+        """An empty :class:`nbkv.KVCache` for this model, allocated at once.
 
         One layer per decoder layer, ``num_key_value_heads`` heads of ``head_dim``, on the
-        model's device. ``max_seq_len`` defaults to ``max_position_embeddings`` capped at
-        ``nbkv.DEFAULT_MAX_SEQ_LEN`` (2048), so that a long-context config does not
-        allocate its whole context by surprise. With ``window``, every layer is an
-        :class:`nbkv.RotatingKVCache` of that window and ``sinks`` (streaming decoding:
-        memory bounded, positions from the cache's ``offset``).
+        model's device, storing ``dtype`` (float32, float16 or bfloat16: the model computes
+        in float32 and rounds K/V to the cache's dtype as it appends them). ``max_seq_len``
+        defaults to ``max_position_embeddings`` capped at ``nbkv.DEFAULT_MAX_SEQ_LEN``
+        (2048), so that a long-context config does not allocate its whole context by
+        surprise. With ``window``, every layer is an :class:`nbkv.RotatingKVCache` of that
+        window and ``sinks`` (streaming decoding: memory bounded, positions from the
+        cache's ``offset``). With ``bits`` (8, 4, 2 or a pair ``(k_bits, v_bits)``), every
+        layer is an :class:`nbkv.QuantizedKVCache` of that ``group_size`` and
+        ``residual`` (KIVI: K per channel, V per token, the newest positions in ``dtype``).
         """
         c = self._config
-        if window is not None:
-            return KVCache.from_layers(
-                RotatingKVCache(
-                    window,
-                    sinks=sinks,
-                    batch=batch,
-                    num_kv_heads=c.num_key_value_heads,
-                    head_dim=c.head_dim,
-                    dtype=_F32,
-                    device=self._device,
-                    layout=layout,
-                )
-                for _ in range(c.num_hidden_layers)
+        dtype = resolve_dtype(dtype)
+        if dtype not in _CACHE_DTYPES:
+            raise DTypeMismatchError(
+                f"dtype must be float32, float16 or bfloat16 for the model's cache, got {dtype}"
             )
-        if max_seq_len is None:
-            max_seq_len = min(c.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-        return KVCache(
-            c.num_hidden_layers,
-            max_seq_len,
+        sizes = dict(
             batch=batch,
             num_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim,
-            dtype=_F32,
+            dtype=dtype,
             device=self._device,
             layout=layout,
         )
+        if window is not None:
+            if bits is not None:
+                raise InvalidArgumentError(
+                    "window and bits cannot be combined: a quantized rotating cache is not "
+                    "available; give one of them"
+                )
+            return KVCache.from_layers(
+                RotatingKVCache(window, sinks=sinks, **sizes) for _ in range(c.num_hidden_layers)
+            )
+        if max_seq_len is None:
+            max_seq_len = min(c.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        if bits is not None:
+            from ..quantized import QuantizedKVCache
+
+            return KVCache.from_layers(
+                QuantizedKVCache(
+                    max_seq_len, bits=bits, group_size=group_size, residual=residual, **sizes
+                )
+                for _ in range(c.num_hidden_layers)
+            )
+        return KVCache(c.num_hidden_layers, max_seq_len, **sizes)
 
     # -- forward passes --------------------------------------------------------------
 
@@ -551,6 +571,8 @@ class Llama:
 
         def attend(i: int, q, k, v):
             layer = cache[i]
+            if layer.dtype is not None and layer.dtype != _F32:
+                k, v = k.astype(layer.dtype), v.astype(layer.dtype)  # a 16-bit cache
             undo.append(layer.append(k, v, undoable=True))
             # a CUDA cache answers with a device array: one explicit device->host copy
             return to_host(attention(q, layer, window=window))
@@ -773,7 +795,8 @@ class Llama:
             )
         want = (batch, c.num_key_value_heads, c.head_dim, _F32, cache.layout)
         for i, layer in enumerate(cache):  # every layer, before anything is written
-            got = (layer.batch, layer.num_kv_heads, layer.head_dim, layer.dtype, layer.layout)
+            dtype = _F32 if layer.dtype in _CACHE_DTYPES else layer.dtype
+            got = (layer.batch, layer.num_kv_heads, layer.head_dim, dtype, layer.layout)
             if got != want:  # only then find out which, if any, is wrong (None: lazy)
                 self._check_layer(i, got, want)
         if cache.seq_len + n <= cache.max_seq_len:
@@ -797,7 +820,7 @@ class Llama:
                 raise ShapeMismatchError(f"cache layer {i} holds {field} {g} but {source} has {w}")
         if got[3] is not None and got[3] != want[3]:
             raise DTypeMismatchError(
-                f"cache layer {i} must hold float32 (the model's), got {got[3]}"
+                f"cache layer {i} must hold float32, float16 or bfloat16, got {got[3]}"
             )
         if got[4] != want[4]:
             raise InvalidArgumentError(

@@ -1,0 +1,761 @@
+"""QuantizedKVCache: one layer's K and V in 8, 4 or 2 bits (KIVI), the newest in full
+precision, with attention that reads the codes.
+
+KIVI's design (Liu et al., 2024): K is quantized per channel over groups of
+``group_size`` consecutive positions (K's outlier channels get their own scale), V per
+position over groups of ``min(group_size, head_dim)`` channels; the newest positions, a
+window of between ``residual`` and ``residual + group_size - 1`` of them, stay in the
+cache's dtype, and a whole group is quantized as it leaves the window. Codes are
+bit-packed into ``uint8``; each group has a 16-bit scale and zero point (float16, or the
+cache's dtype when that is bfloat16). The storage and the exact quantizer are
+:mod:`nbkv.kernels.cpu_quant`'s (and :func:`nbkv.reference.quantize`'s).
+
+Positions ``[0, q_len)`` are codes and ``[q_len, seq_len)`` the window, ``q_len`` a
+multiple of ``group_size``: an append quantizes ``[q_len, q_len + G)`` whenever
+``seq_len - q_len >= residual + G``. ``get_kv`` returns dequantized copies in the cache's
+dtype; :func:`nbkv.attention` dequantizes block by block inside its kernel instead, never
+materialising the cache. ``crop`` / ``trim`` never change a value kept: a cut inside the
+codes gives the kept part of its group back to the window, dequantized, and nothing is
+quantized twice.
+
+A :class:`QuantizedKVCache` is a :class:`nbkv.BaseKVCache` (its sizes, validation and
+errors), not a :class:`nbkv.LayerKVCache`: it has no growth policy, no ``set_k``, and its
+``get_kv`` copies. It implements the cache protocol (:mod:`nbkv.protocol`), so
+``attention``, ``append_and_attend``, ``KVCache.from_layers``, ``save`` / ``load``, the
+model and the transformers adapter take it as they take any layer cache.
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _format
+from . import layout as _layout
+from ._units import human_bytes
+from ._validate import nonnegative_int, positive_int
+from .base import BaseKVCache
+from .dtypes import kernel_dtype, resolve_dtype, widen_table
+from .errors import (
+    ArgumentTypeError,
+    CacheFormatError,
+    InvalidArgumentError,
+    ShapeMismatchError,
+)
+from .protocol import (
+    AppendPlan,
+    AttentionView,
+    CacheState,
+    LayerState,
+    LoadedLayer,
+    StagedAppend,
+    register_cache_type,
+)
+from .quant_backends import QStorage, quant_backend
+
+__all__ = ["QuantizedKVCache", "BITS"]
+
+BITS = (8, 4, 2)
+_NAMES = QStorage._fields
+_F16_MAX = 65504.0  # float16's largest finite value: the reach of float16 scales
+
+
+class _Store(NamedTuple):
+    """A layer's storage and the sizes it was made for."""
+
+    arrays: QStorage
+    sizes: tuple  # (batch, num_kv_heads, head_dim, dtype)
+
+
+def _check_bits(bits: Any) -> tuple[int, int]:
+    pair = bits if isinstance(bits, (tuple, list)) else (bits, bits)
+    if len(pair) != 2:
+        raise InvalidArgumentError(
+            f"bits must be one of {BITS} or a pair (k_bits, v_bits), got {bits!r}"
+        )
+    for b in pair:
+        if isinstance(b, (bool, np.bool_)) or not isinstance(b, numbers.Integral):
+            raise ArgumentTypeError(
+                f"bits must be one of {BITS} or a pair of them, got {type(b).__name__} {b!r}"
+            )
+        if int(b) not in BITS:
+            raise InvalidArgumentError(
+                f"bits must be one of {BITS} or a pair (k_bits, v_bits) of them, got {bits!r}"
+            )
+    return int(pair[0]), int(pair[1])
+
+
+@register_cache_type("QuantizedKVCache")
+class QuantizedKVCache(BaseKVCache):
+    """Keys and values of one attention layer in 8, 4 or 2 bits (KIVI), the newest in
+    full precision.
+
+    Parameters
+    ----------
+    max_seq_len : int
+        Capacity in positions; an append past it raises
+        :class:`~nbkv.CacheOverflowError` (no growth).
+    batch, num_kv_heads, head_dim : int
+        Required. ``head_dim`` must be a multiple of V's channel group,
+        ``min(group_size, head_dim)``.
+    dtype : {"float32", "float16", "bfloat16"}
+        Required: what ``append`` takes, ``get_kv`` returns and the window holds.
+    bits : 8, 4, 2 or a pair ``(k_bits, v_bits)``
+    group_size : int, default 64
+        Positions per K group (one scale per channel each), channels per V group.
+    residual : int, default 128
+        Newest positions kept in ``dtype`` (at least; up to ``residual + group_size - 1``).
+    device : {"cpu", "cuda"}
+    layout : {"bhsd", "bshd"}
+        Axis order of every array passed in or returned (the codes have their own).
+
+    Raises
+    ------
+    ArgumentTypeError, InvalidArgumentError, DTypeMismatchError
+        A size that is not a positive int, bits outside {8, 4, 2}, ``group_size < 1``,
+        ``residual < 0``, a ``head_dim`` V's groups do not divide, a dtype other than
+        float32, float16 or bfloat16.
+
+    Examples
+    --------
+    >>> import numpy as np, nbkv
+    >>> cache = nbkv.QuantizedKVCache(256, batch=1, num_kv_heads=2, head_dim=8,
+    ...                               dtype="float32", bits=4, group_size=4, residual=4)
+    >>> k = np.random.default_rng(0).standard_normal((1, 2, 10, 8), dtype=np.float32)
+    >>> cache.append(k, k)
+    >>> cache.seq_len, cache.q_len  # 8 positions in codes, the newest 2 in float32
+    (10, 4)
+    >>> K, V = cache.get_kv()
+    >>> bool(np.abs(K - k).max() < 0.5), bool((K[:, :, 4:] == k[:, :, 4:]).all())
+    (True, True)
+    """
+
+    def __init__(
+        self,
+        max_seq_len: int,
+        *,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Any,
+        bits: Any = 8,
+        group_size: int = 64,
+        residual: int = 128,
+        device: str = "cpu",
+        layout: str = "bhsd",
+    ) -> None:
+        self._bits = _check_bits(bits)
+        self._group = positive_int(group_size, "group_size")
+        self._residual = nonnegative_int(residual, "residual")
+        for value, name in ((batch, "batch"), (num_kv_heads, "num_kv_heads")):
+            positive_int(value, name)
+        head_dim = positive_int(head_dim, "head_dim")
+        self._v_group = min(self._group, head_dim)
+        if head_dim % self._v_group:
+            raise InvalidArgumentError(
+                f"head_dim must be a multiple of V's channel group min(group_size, head_dim) "
+                f"= {self._v_group}, got head_dim {head_dim} (group_size {self._group})"
+            )
+        if dtype is None:
+            raise ArgumentTypeError(
+                "dtype is required: float32, float16 or bfloat16 (what append takes)"
+            )
+        dtype = resolve_dtype(dtype)
+        if dtype.kind != "V" and dtype not in (np.float32, np.float16):
+            raise InvalidArgumentError(
+                f"dtype must be float32, float16 or bfloat16 for a quantized cache, got {dtype}"
+            )
+        # the scales' 16-bit type: bfloat16 for a bfloat16 cache, else float16
+        self._kind = 1 if dtype.itemsize == 2 and dtype != np.float16 else 0
+        self._limit = _F16_MAX if self._kind == 0 else float(np.finfo(np.float32).max) / 2
+        self._qbe = None
+        super().__init__(
+            max_seq_len,
+            batch=batch,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+            layout=layout,
+        )
+
+    # -- what it is ------------------------------------------------------------------
+
+    @property
+    def bits(self) -> tuple[int, int]:
+        """``(k_bits, v_bits)``."""
+        return self._bits
+
+    @property
+    def group_size(self) -> int:
+        return self._group
+
+    @property
+    def residual(self) -> int:
+        return self._residual
+
+    @property
+    def q_len(self) -> int:
+        """Positions held as codes, ``[0, q_len)``; the rest are the window."""
+        return self._q_len
+
+    @property
+    def window_capacity(self) -> int:
+        """Rows of the full-precision window: ``min(max_seq_len, residual + group_size
+        - 1)`` (at least 1)."""
+        return max(1, min(self._max_seq_len, self._residual + self._group - 1))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every buffer allocated: codes and scales for ``max_seq_len`` positions
+        (whole groups), and the window."""
+        if self._st is None:
+            return 0
+        return int(sum(a.nbytes for a in self._st))
+
+    @property
+    def shape(self) -> tuple[int, int, int, int] | None:
+        """The shape of K (and V) at capacity, in the layout, or None when deallocated."""
+        if self._st is None:
+            return None
+        return _layout.buffer_shape(
+            self._layout, self._batch, self._num_kv_heads, self._max_seq_len, self._head_dim
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedKVCache(bits={self._bits}, group_size={self._group}, "
+            f"residual={self._residual}, batch={self._batch}, num_kv_heads="
+            f"{self._num_kv_heads}, head_dim={self._head_dim}, dtype={self._dtype}, "
+            f"device={self.device!r}, layout={self._layout!r}, seq_len={self._seq_len}/"
+            f"{self._max_seq_len} ({self._q_len} in codes), nbytes={self.nbytes} "
+            f"({human_bytes(self.nbytes)}))"
+        )
+
+    # -- storage ---------------------------------------------------------------------
+
+    def _release(self) -> None:
+        super()._release()
+        self._st = None
+
+    def _reset_counters(self) -> None:
+        self._seq_len = 0
+        self._q_len = 0
+
+    def _new_storage(self, sizes: tuple, capacity: int) -> _Store:
+        batch, heads, dim, dtype = sizes
+        g = self._group
+        n_groups = capacity // g
+        coded = n_groups * g
+        k_row = -(-dim // (8 // self._bits[0]))
+        v_row = -(-dim // (8 // self._bits[1]))
+        w = max(1, min(capacity, self._residual + g - 1))
+        shapes = (
+            ((batch, heads, coded, k_row), np.uint8),
+            ((batch, heads, n_groups, dim), np.uint16),
+            ((batch, heads, n_groups, dim), np.uint16),
+            ((batch, heads, coded, v_row), np.uint8),
+            ((batch, heads, coded, dim // self._v_group), np.uint16),
+            ((batch, heads, coded, dim // self._v_group), np.uint16),
+            ((batch, heads, w, dim), dtype),
+            ((batch, heads, w, dim), dtype),
+        )
+        nbytes = sum(int(np.prod(s)) * np.dtype(t).itemsize for s, t in shapes)
+        if nbytes > sys.maxsize:
+            raise InvalidArgumentError(
+                f"a quantized layer of batch {batch}, num_kv_heads {heads}, {capacity} "
+                f"positions and head_dim {dim} would need {nbytes} bytes, more than this "
+                "machine can address"
+            )
+        be = self._backend
+        arrays = QStorage(*(be.kernel_view(be.empty(s, np.dtype(t))) for s, t in shapes))
+        return _Store(arrays, sizes)
+
+    def _install(self, st: _Store) -> None:
+        self._st = st.arrays
+        self._k = st.arrays  # what "allocated" and a plan's key look at
+        self._batch, self._num_kv_heads, self._head_dim, self._dtype = st.sizes
+        if self._qbe is None:
+            self._qbe = quant_backend(self._backend)
+            scale_dtype = np.dtype(np.float16) if self._kind == 0 else np.dtype(np.uint16)
+            table = widen_table(scale_dtype) if self._kind == 0 else widen_table(self._dtype)
+            self._table = self._qbe_table(table)
+
+    def _qbe_table(self, table: np.ndarray):
+        """The scales' widening table where the kernels read it (the device, once)."""
+        return self._backend.to_device(np.ascontiguousarray(table))
+
+    def _current_storage(self) -> _Store | None:
+        if self._st is None:
+            return None
+        sizes = (self._batch, self._num_kv_heads, self._head_dim, self._dtype)
+        return _Store(self._st, sizes)
+
+    # -- appending (the protocol) ----------------------------------------------------
+
+    def _next_q(self, q_len: int, total: int) -> int:
+        """Codes held once ``total`` positions are: whole groups leave the window while
+        it would hold at least ``residual + G``."""
+        g = self._group
+        return q_len + g * max(0, (total - q_len - self._residual) // g)
+
+    def _check_values(self, x: Any, name: str) -> None:
+        """Host K/V must be finite and within the scales' reach (codes cannot hold more)."""
+        if not isinstance(x, np.ndarray) or x.size == 0:
+            return  # device arrays are not scanned (see the class docstring)
+        wide = x.astype(np.float32) if x.dtype.itemsize == 2 else x
+        if not np.isfinite(wide).all():
+            raise InvalidArgumentError(
+                f"{name} holds NaN or infinity, which a quantized cache cannot store"
+            )
+        top = float(np.abs(wide).max())
+        if top > self._limit:
+            raise InvalidArgumentError(
+                f"{name} holds {top:g}, beyond the {self._limit:g} its 16-bit scales reach"
+            )
+
+    def prepare_append(self, k: Any, v: Any) -> AppendPlan:
+        """Every check ``append(k, v)`` makes, values included; changes nothing."""
+        plan = super().prepare_append(k, v)
+        self._check_values(plan.k, "k")
+        self._check_values(plan.v, "v")
+        return plan
+
+    def _storage_for(self, plan: AppendPlan) -> _Store | None:
+        if self._st is not None or plan.dims.seq == 0:
+            return None
+        return self._new_storage(self._configured, self._max_seq_len)
+
+    def stage_append(self, plan: AppendPlan) -> StagedAppend:
+        """Allocate what the append needs (after ``deallocate``) and copy the inputs to the
+        device, changing nothing. ``fused`` is None: codes are no slots a kernel fills."""
+        self._check_key(plan.key, "plan")
+        storage = self._storage_for(plan)
+        be = self._backend
+        k, v = be.to_device(plan.k), be.to_device(plan.v)
+        return StagedAppend(plan, k, v, None, storage, plan.key)
+
+    def _ring_ranges(self, p0: int, p1: int) -> list[tuple[int, int, int]]:
+        """The window slots of positions ``[p0, p1)`` (the last ``W`` of them, if more):
+        at most two ``(first slot, end slot, first position)``."""
+        w = self.window_capacity
+        p0 = max(p0, p1 - w)
+        if p1 <= p0:
+            return []
+        a = p0 % w
+        first = min(p1 - p0, w - a)
+        ranges = [(a, a + first, p0)]
+        if p1 - p0 > first:
+            ranges.append((0, p1 - p0 - first, p0 + first))
+        return ranges
+
+    def _save_slots(self, ranges: list[tuple[int, int]]) -> list:
+        """Copies of the window rows at ``ranges`` (what an undo puts back)."""
+        be, st = self._inner, self._st
+        saved = []
+        for a, b, _ in ranges:
+            shape = (self._batch, self._num_kv_heads, b - a, self._head_dim)
+            ks, vs = (be.kernel_view(be.empty(shape, self._dtype)) for _ in "kv")
+            be.write_kv(st.k_win[:, :, a:b], st.v_win[:, :, a:b], 0, ks, vs)
+            saved.append((a, ks, vs))
+        return saved
+
+    @property
+    def _inner(self):
+        """The plain backend of this device in the storage's own order ("bhsd")."""
+        from .backends import get_backend
+
+        return get_backend(self._backend.name, "bhsd")
+
+    def commit_append(
+        self, staged: StagedAppend, *, written: bool = False, undoable: bool = False
+    ) -> Callable[[], None] | None:
+        """Quantize the groups that leave the window and put the new positions in it;
+        with ``undoable``, return what puts the cache back (the window rows it
+        overwrites are copied first)."""
+        self._check_key(staged.key, "staged append")
+        if written:
+            raise InvalidArgumentError(
+                "a quantized cache writes its own positions: commit_append(written=True) "
+                "has no fused kernel to rely on"
+            )
+        n = staged.plan.dims.seq
+        held, q_len, capacity = self._seq_len, self._q_len, self._max_seq_len
+        old = self._current_storage() if undoable and staged.storage is not None else None
+        if staged.storage is not None:
+            self._install(staged.storage)
+        total = held + n
+        new_q = self._next_q(q_len, total)
+        saved = self._save_slots(self._ring_ranges(max(new_q, held), total)) if undoable else []
+        if n:
+            be = self._backend
+            self._qbe.append(
+                be.kernel_view(staged.k), be.kernel_view(staged.v), held, q_len, new_q,
+                self._bits, self._group, self._v_group, self._kind, self._table, self._st,
+            )  # fmt: skip
+        self._seq_len, self._q_len = total, new_q
+        if not undoable:
+            return None
+
+        def undo() -> None:
+            if staged.storage is not None:
+                if old is None:
+                    self._release()
+                    self._max_seq_len = capacity
+                else:
+                    self._install(old)
+            else:
+                for a, ks, vs in saved:
+                    self._inner.write_kv(ks, vs, a, self._st.k_win, self._st.v_win)
+            self._seq_len, self._q_len = held, q_len
+
+        return undo
+
+    # -- attention (the protocol) ----------------------------------------------------
+
+    def attention_view(self, n_q: int, window: int | None) -> AttentionView:
+        """The codes and the window in place: attention dequantizes inside its kernel."""
+        if self._seq_len == 0:
+            raise self._no_positions()
+        dims = _layout.Dims(self._batch, self._num_kv_heads, self._seq_len, self._head_dim)
+        reader = _CodesReader(self._backend, self._qbe, self._q_len, self._bits, self._table)
+        return AttentionView(reader, self._st, None, self._seq_len, dims, self._dtype)
+
+    # -- views -----------------------------------------------------------------------
+
+    def get_kv(self):
+        """Dequantized copies ``(K, V)`` of the positions held, in ``dtype`` and the
+        layout, or ``None`` when empty (on CUDA, device arrays; bfloat16 as uint16 bits).
+        Writing into them does not change the cache."""
+        if self._seq_len == 0:
+            return None
+        return self._read(0, self._seq_len)
+
+    def _read(self, p0: int, p1: int):
+        be = self._backend
+        shape = _layout.buffer_shape(
+            self._layout, self._batch, self._num_kv_heads, p1 - p0, self._head_dim
+        )
+        k, v = be.empty(shape, self._dtype), be.empty(shape, self._dtype)
+        self._qbe.dequantize(
+            self._st, self._q_len, p0, p1, self._bits, self._kind, self._table,
+            be.kernel_view(k), be.kernel_view(v), self._layout,
+        )  # fmt: skip
+        return k, v
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` positions (all if fewer are held); return how many.
+
+        Values kept never change: a cut inside the codes gives the kept part of its group,
+        ``[floor(new_len / G) * G, new_len)``, back to the window as ``get_kv`` returned
+        it, and ``q_len`` becomes ``floor(new_len / G) * G``.
+        """
+        dropped = min(nonnegative_int(n, "n"), self._seq_len)
+        new_len = self._seq_len - dropped
+        if new_len < self._q_len:
+            new_q = (new_len // self._group) * self._group
+            for a, b, p0 in self._ring_ranges(new_q, new_len):
+                # slots [a, b) take positions p0 .. p0 + b - a - 1, read from the codes
+                self._qbe.dequantize(
+                    self._st, self._q_len, p0, p0 + b - a, self._bits, self._kind,
+                    self._table, self._st.k_win[:, :, a:b], self._st.v_win[:, :, a:b],
+                    "bhsd",
+                )  # fmt: skip
+            self._q_len = new_q
+        self._seq_len = new_len
+        return dropped
+
+    def offset_after_trim(self, n: int) -> int:
+        return self._seq_len - min(nonnegative_int(n, "n"), self._seq_len)
+
+    # -- whole batch rows ------------------------------------------------------------
+
+    def _copy_counters(self, other: BaseKVCache) -> None:
+        self._seq_len, self._q_len = other._seq_len, other._q_len
+
+    def _rows_into(self, rows: list[int], store: _Store) -> None:
+        """Batch rows ``rows`` of this cache's arrays into ``store``'s rows 0, 1, ..."""
+        for src, dst in zip(self._st, store.arrays, strict=True):
+            for i, r in enumerate(rows):
+                self._qbe.copy_row(src, r, dst, i)
+
+    def reorder(self, indices: Any) -> None:
+        """Row ``i`` becomes old row ``indices[i]`` (rows may repeat or vanish); new
+        arrays are allocated first (the cache's size again), then replace the old ones."""
+        rows = self._indices(indices, self._batch)
+        if self._st is None or self._seq_len == 0:
+            return
+        store = self._new_storage(self._current_storage().sizes, self._max_seq_len)
+        self._rows_into(rows, store)
+        self._install(store)
+
+    def select(self, indices: Any) -> QuantizedKVCache:
+        """A new cache whose row ``i`` is this cache's row ``indices[i]`` (any length >= 1)."""
+        rows = self._indices(indices, None)
+        new = self._blank_like(len(rows))
+        if self._st is not None:
+            sizes = (len(rows), self._num_kv_heads, self._head_dim, self._dtype)
+            store = new._new_storage(sizes, self._max_seq_len)
+            self._rows_into(rows, store)
+            new._install(store)
+            new._copy_counters(self)
+        return new
+
+    def copy(self) -> QuantizedKVCache:
+        """An independent copy: new arrays, every row copied on the device."""
+        new = self.select(list(range(self._batch)))
+        new._configured = self._configured
+        return new
+
+    # -- state (the protocol) --------------------------------------------------------
+
+    def _meta(self) -> dict:
+        meta = super()._meta()
+        meta.update(
+            max_seq_len=self._max_seq_len,
+            bits=list(self._bits),
+            group_size=self._group,
+            residual=self._residual,
+            q_len=self._q_len,
+        )
+        if self._st is not None:
+            meta["tensors"] = {
+                name: [_format_code(a.dtype, self._dtype), list(a.shape)]
+                for name, a in self._held_arrays_shapes().items()
+            }
+        return meta
+
+    def _held_arrays_shapes(self) -> dict:
+        """name -> a stand-in with the dtype and shape each saved tensor has."""
+        b, h, d = self._batch, self._num_kv_heads, self._head_dim
+        q, g = self._q_len, self._group
+        st = self._st
+        out = {}
+        for name, a, n in (
+            ("k_codes", st.k_codes, q),
+            ("k_scale", st.k_scale, q // g),
+            ("k_zero", st.k_zero, q // g),
+            ("v_codes", st.v_codes, q),
+            ("v_scale", st.v_scale, q),
+            ("v_zero", st.v_zero, q),
+        ):
+            out[name] = _Spec(np.dtype(a.dtype), (b, h, n, int(a.shape[3])))
+        window = (b, h, self._seq_len - q, d)
+        out["k_window"] = _Spec(self._dtype, window)
+        out["v_window"] = _Spec(self._dtype, window)
+        return out
+
+    def _held_tensors(self) -> dict | None:
+        """The saved tensors as host arrays: the codes and scales of ``[0, q_len)`` and
+        the window in position order, all ``[batch, heads, ...]``."""
+        if self._st is None:
+            return None
+        be, st = self._backend, self._st
+        q, g = self._q_len, self._group
+        host = {}
+        for name, a, n in (
+            ("k_codes", st.k_codes, q),
+            ("k_scale", st.k_scale, q // g),
+            ("k_zero", st.k_zero, q // g),
+            ("v_codes", st.v_codes, q),
+            ("v_scale", st.v_scale, q),
+            ("v_zero", st.v_zero, q),
+        ):
+            host[name] = np.ascontiguousarray(be.to_host(a[:, :, :n]))
+        w = self.window_capacity
+        slots = np.arange(q, self._seq_len) % w
+        for name, a in (("k_window", st.k_win), ("v_window", st.v_win)):
+            host[name] = np.ascontiguousarray(be.to_host(a, self._dtype)[:, :, slots])
+        return host
+
+    def export_state(self) -> CacheState:
+        return CacheState(self.state_type, [LayerState(self._meta(), self._held_tensors)])
+
+    @classmethod
+    def _read_meta(cls, m: _format.MetaReader) -> dict:
+        bits = m.get("bits")
+        if not (isinstance(bits, list) and len(bits) == 2 and all(b in BITS for b in bits)):
+            raise m.fail(f"metadata bits must be a pair of {BITS}, got {bits!r:.40}")
+        if any(type(b) is not int for b in bits):
+            raise m.fail(f"metadata bits must be ints, got {bits!r:.40}")
+        return {
+            "max_seq_len": m.int("max_seq_len", minimum=1),
+            "bits": tuple(bits),
+            "group_size": m.int("group_size", minimum=1),
+            "residual": m.int("residual", minimum=0),
+        }
+
+    def _check_layer(self, layer: LoadedLayer, where: str) -> tuple[int, int]:
+        """Everything about a saved layer this cache must agree with; ``(seq_len, q_len)``."""
+        _format.check_loaded_layer(layer, None, where)
+        meta = layer.meta
+        m = _format.MetaReader(meta, where)
+        if meta["type"] != self.state_type:
+            raise CacheFormatError(
+                f"{where}: its layer is a {meta['type']}, not a {self.state_type}"
+            )
+        args = self._read_meta(m)
+        mine = {
+            "max_seq_len": self._max_seq_len,
+            "bits": self._bits,
+            "group_size": self._group,
+            "residual": self._residual,
+            "batch": self._batch,
+            "num_kv_heads": self._num_kv_heads,
+            "head_dim": self._head_dim,
+        }
+        theirs = {**args, **{f: meta[f] for f in _layout.SIZES}}
+        for field, want in mine.items():
+            if theirs[field] != want:
+                raise CacheFormatError(
+                    f"{where} holds a quantized layer of {field} {theirs[field]}, but this "
+                    f"cache has {field} {want}"
+                )
+        dtype = _format.meta_dtype(meta)
+        if dtype != self._dtype:
+            raise CacheFormatError(
+                f"{where} holds dtype {dtype}, but this cache holds {self._dtype}"
+            )
+        held = meta["seq_len"]
+        if not meta["allocated"]:
+            if held:
+                raise m.fail("a layer never allocated holds no position")
+            return 0, 0
+        q = m.int("q_len")
+        g = self._group
+        if held > self._max_seq_len or q > held or q % g or q > (self._max_seq_len // g) * g:
+            raise m.fail(
+                f"seq_len {held} and q_len {q} are not a state of a cache of max_seq_len "
+                f"{self._max_seq_len} and group_size {g}"
+            )
+        if held - q > self.window_capacity:
+            raise m.fail(
+                f"its window holds {held - q} positions, more than the {self.window_capacity} "
+                "this cache's window has"
+            )
+        saved = self._held_arrays_shapes_for(held, q)
+        declared = meta.get("tensors")
+        for name, spec in saved.items():
+            code = _format_code(spec.dtype, self._dtype)
+            if declared.get(name) != [code, list(spec.shape)]:
+                raise m.fail(
+                    f"tensor {name} is {declared.get(name)!r:.60}, not [{code!r}, "
+                    f"{list(spec.shape)}]"
+                )
+        return held, q
+
+    def _held_arrays_shapes_for(self, held: int, q: int) -> dict:
+        seq, q_old = self._seq_len, self._q_len
+        self._seq_len, self._q_len = held, q
+        try:
+            return self._held_arrays_shapes()
+        finally:
+            self._seq_len, self._q_len = seq, q_old
+
+    def check_layer_state(self, layer: LoadedLayer, where: str) -> None:
+        self._check_layer(layer, where)
+
+    def stage_layer_state(self, layer: LoadedLayer, where: str) -> Callable[[], None]:
+        """Check a saved layer and copy its tensors to the device (new arrays), changing
+        nothing; the function returned installs them."""
+        held, q = self._check_layer(layer, where)
+        store = None
+        if layer.meta["allocated"]:
+            t = {n: x.read() if hasattr(x, "read") else x for n, x in layer.tensors.items()}
+            store = self._new_storage(self._configured, self._max_seq_len)
+            self._fill_store(store.arrays, t, held, q)
+
+        def commit() -> None:
+            if store is None:
+                self._reset_counters()
+                return
+            self._install(store)
+            self._seq_len, self._q_len = held, q
+
+        return commit
+
+    def _fill_store(self, st: QStorage, t: dict, held: int, q: int) -> None:
+        """Saved tensors ``t`` (host) into new arrays ``st`` on the device."""
+        be = self._inner
+        g = self._group
+        for name, a, n in (
+            ("k_codes", st.k_codes, q),
+            ("k_scale", st.k_scale, q // g),
+            ("k_zero", st.k_zero, q // g),
+            ("v_codes", st.v_codes, q),
+            ("v_scale", st.v_scale, q),
+            ("v_zero", st.v_zero, q),
+        ):
+            if n:
+                be.write_cache(be.to_kernel(np.ascontiguousarray(t[name])), 0, a)
+        if held > q:
+            kd = kernel_dtype(self._dtype)
+            for name, a in (("k_window", st.k_win), ("v_window", st.v_win)):
+                rows = np.ascontiguousarray(t[name]).view(kd)
+                for a0, b0, p0 in self._ring_ranges(q, held):
+                    part = np.ascontiguousarray(rows[:, :, p0 - q : p0 - q + b0 - a0])
+                    be.write_cache(be.to_kernel(part), a0, a)
+
+    @classmethod
+    def from_layer_state(
+        cls, layer: LoadedLayer, where: str, *, device: str = "cpu", layout: str | None = None
+    ) -> QuantizedKVCache:
+        _format.check_loaded_layer(layer, None, where)
+        meta = layer.meta
+        if meta["type"] != cls.state_type:
+            raise CacheFormatError(
+                f"{where}: its layer is a {meta['type']}, not a {cls.state_type}"
+            )
+        args = cls._read_meta(_format.MetaReader(meta, where))
+        layout = meta["layout"] if layout is None else _layout.check_layout(layout)
+        dtype = _format.meta_dtype(meta)
+        sizes = {f: meta[f] for f in _layout.SIZES}
+        if dtype is None or None in sizes.values():
+            raise CacheFormatError(f"{where}: a quantized layer has its sizes and dtype")
+        try:
+            cache = cls(**args, **sizes, dtype=dtype, device=device, layout=layout)
+        except (InvalidArgumentError, ArgumentTypeError, ShapeMismatchError) as err:
+            raise CacheFormatError(f"{where}: {err}") from None
+        if not meta["allocated"]:
+            cache.deallocate()
+        cache.stage_layer_state(layer, where)()
+        return cache
+
+
+class _Spec(NamedTuple):
+    dtype: np.dtype
+    shape: tuple
+
+
+def _format_code(dtype: Any, logical: np.dtype) -> str:
+    """The safetensors dtype of a saved tensor: a window in the cache's dtype."""
+    dtype = np.dtype(dtype)
+    if dtype == logical:
+        return _format.CODES[str(logical)]
+    return {np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16"}[dtype]
+
+
+class _CodesReader:
+    """What attention sees as a quantized cache's backend: the plain backend's checks and
+    arrays, and an ``attend`` that reads the codes (``k`` is the storage, ``v`` None)."""
+
+    def __init__(self, backend, qbe, q_len: int, bits: tuple[int, int], table) -> None:
+        self._be, self._qbe, self._q_len, self._bits, self._table = (
+            backend, qbe, q_len, bits, table,
+        )  # fmt: skip
+        self.name = backend.name
+        self.check_attention = backend.check_attention
+        self.attention_arrays = backend.attention_arrays
+        self.finish_attention = backend.finish_attention
+
+    def attention_table(self, dtype: np.dtype):
+        return self._table
+
+    def attend(self, q, k_cache, v_cache, seq_len, scale, causal, window, table, out) -> None:
+        self._qbe.attend(
+            q, k_cache, self._q_len, seq_len, self._bits, scale, causal, window, table, out
+        )  # fmt: skip
