@@ -5,11 +5,12 @@ with an nbkv cache and recomputing without one, timed and plotted); ``append-dem
 :func:`nbkv.demo.run_append_demo` (a synthetic prefill and decode loop of appends, timed
 against NumPy); ``serve-demo`` runs :func:`nbkv.serving_demo.run_serve_demo` (continuous
 batching against one request at a time); ``eval`` scores a model's held-out bits per
-byte through the cache
-(:mod:`nbkv.models.evaluate`); ``info`` prints versions, supported dtypes and the state
-of CUDA. This module only parses arguments: the logic lives in :mod:`nbkv.demo` and
-:mod:`nbkv.models.evaluate`. Bad input is reported
-as ``error: ...`` with exit status 2.
+byte through the cache (:mod:`nbkv.models.evaluate`), and ``eval --kv NAME ...`` compares
+caches' next-byte distributions with the float32 cache's (:mod:`nbkv.eval`: KL
+divergence, top-1 agreement, bits per byte); ``info`` prints versions, supported dtypes
+and the state of CUDA. This module only parses arguments: the logic lives in
+:mod:`nbkv.demo`, :mod:`nbkv.models.evaluate` and :mod:`nbkv.eval`. Bad input is
+reported as ``error: ...`` with exit status 2.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import argparse
 import importlib.metadata
 import os
 import sys
+
+from .eval import GRAMMAR as KV_GRAMMAR
 
 __all__ = ["main"]
 
@@ -124,7 +127,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Score the held-out split of the standard library (the files "
         "nbkv.models.train never trains on) with a model, through an nbkv cache: each "
         "window of --context bytes prefilled in chunks, then decoded byte by byte. "
-        "Prints the mean bits per byte.",
+        "Prints the mean bits per byte; with --kv, a table of each cache's KL divergence "
+        "from the float32 cache, top-1 agreement and bits per byte (--limit-bytes: the "
+        "first that many held-out bytes).",
     )
     evaluate.add_argument(
         "--model", default=None, help="a checkpoint folder (default: the shipped model)"
@@ -136,6 +141,15 @@ def _parser() -> argparse.ArgumentParser:
         "--limit-bytes", type=int, default=None, help="stop after about this many bytes"
     )
     evaluate.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cache device")
+    evaluate.add_argument(
+        "--kv",
+        nargs="+",
+        metavar="NAME",
+        default=None,
+        help="instead, compare these caches' next-byte distributions with the float32 "
+        "cache's (KL divergence, top-1 agreement, bits per byte; the fp16 noise floor is "
+        "always a row). Names: " + KV_GRAMMAR.replace("%", "%%"),
+    )
     sub.add_parser("info", help="versions, dtypes and CUDA availability")
     return parser
 
@@ -144,10 +158,17 @@ def _eval(args) -> int:
     from .models import Llama
     from .models.evaluate import held_out_bits_per_byte
 
+    if args.kv is not None:
+        from .eval import cache_factory
+
+        for i, kv in enumerate(args.kv):  # a bad name fails before the model loads
+            cache_factory(kv, argument=f"--kv {kv!r} (name {i + 1})")
     if args.model is None:
         model, name = Llama.default(device=args.device), "Llama.default() (shipped)"
     else:
         model, name = Llama.from_pretrained(args.model, device=args.device), args.model
+    if args.kv is not None:
+        return _eval_kv(args, model, name)
     r = held_out_bits_per_byte(
         model,
         limit_bytes=args.limit_bytes,
@@ -159,6 +180,38 @@ def _eval(args) -> int:
         f"{name}: {r.bits_per_byte:.4f} bits per byte over {r.bytes:,} held-out bytes "
         f"({r.files} files, {r.windows} windows of {args.context}, prefill {args.prefill} "
         f"in chunks of {args.chunk}, then decode), {r.seconds:.1f} s"
+    )
+    return 0
+
+
+def _eval_kv(args, model, name: str) -> int:
+    import time
+
+    from .eval import compare, format_table
+    from .models.train import load_corpus
+
+    t0 = time.perf_counter()
+    files = load_corpus().held_out
+    used, size = 0, 0  # the files the byte limit reaches into
+    for f in files:
+        if args.limit_bytes is not None and size >= args.limit_bytes:
+            break
+        used, size = used + 1, size + len(f)
+    rows = compare(
+        model,
+        args.kv,
+        files,
+        limit_bytes=args.limit_bytes,
+        context=args.context,
+        prefill=args.prefill,
+        chunk=args.chunk,
+    )
+    print(format_table(rows))
+    print(
+        f"\n{name}: {rows[0].bytes:,} held-out bytes ({used} files), windows of "
+        f"{args.context}: prefill {args.prefill} in chunks of {args.chunk}, then decode. "
+        f"KL(p_ref || p) in nats against the float32 cache; fp16 is the noise floor. "
+        f"{time.perf_counter() - t0:.1f} s"
     )
     return 0
 
