@@ -298,7 +298,10 @@ def append_and_attend(
     if staged.fused is None:
         undo = cache.commit_append(staged, undoable=True)
         try:
-            return _run(plan, cache.attention_view(int(q.shape[2]), options[2]))
+            view = cache.attention_view(int(q.shape[2]), options[2])
+            # the view's own reader (a quantized cache's reads the codes) and its table
+            table = view.backend.attention_table(view.dtype)
+            return _run(plan._replace(backend=view.backend, table=table), view)
         except BaseException:
             undo()
             raise

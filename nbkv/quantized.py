@@ -474,9 +474,6 @@ class QuantizedKVCache(BaseKVCache):
 
     # -- whole batch rows ------------------------------------------------------------
 
-    def _copy_counters(self, other: BaseKVCache) -> None:
-        self._seq_len, self._q_len = other._seq_len, other._q_len
-
     def _rows_into(self, rows: list[int], store: _Store) -> None:
         """Batch rows ``rows`` of this cache's arrays into ``store``'s rows 0, 1, ..."""
         for src, dst in zip(self._st, store.arrays, strict=True):
@@ -496,20 +493,26 @@ class QuantizedKVCache(BaseKVCache):
     def select(self, indices: Any) -> QuantizedKVCache:
         """A new cache whose row ``i`` is this cache's row ``indices[i]`` (any length >= 1)."""
         rows = self._indices(indices, None)
-        new = self._blank_like(len(rows))
-        if self._st is not None:
-            sizes = (len(rows), self._num_kv_heads, self._head_dim, self._dtype)
-            store = new._new_storage(sizes, self._max_seq_len)
-            self._rows_into(rows, store)
-            new._install(store)
-            new._copy_counters(self)
-        return new
+        return self._with_rows(self._blank_like(len(rows)), rows)
 
     def copy(self) -> QuantizedKVCache:
         """An independent copy: new arrays, every row copied on the device."""
-        new = self.select(list(range(self._batch)))
-        new._configured = self._configured
+        return self._with_rows(self._blank_like(None), list(range(self._batch or 0)))
+
+    def _with_rows(self, new: QuantizedKVCache, rows: list[int]) -> QuantizedKVCache:
+        """``new`` (blank, of this configuration) holding this cache's ``rows``."""
+        if self._st is not None:
+            sizes = (len(rows), self._num_kv_heads, self._head_dim, self._dtype)
+            store = self._new_storage(sizes, self._max_seq_len)
+            self._rows_into(rows, store)
+            new.adopt_rows(store, self._seq_len, self._q_len)
         return new
+
+    def adopt_rows(self, store: _Store, seq_len: int, q_len: int) -> None:
+        """Install ``store`` (made by a cache of this configuration) holding ``seq_len``
+        positions, ``q_len`` of them codes: how select and copy hand over their arrays."""
+        self._install(store)
+        self._seq_len, self._q_len = seq_len, q_len
 
     # -- state (the protocol) --------------------------------------------------------
 

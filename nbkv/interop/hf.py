@@ -51,6 +51,7 @@ from ..errors import (
     ShapeMismatchError,
 )
 from ..kvcache import KVCache
+from ..quantized import QuantizedKVCache
 
 __all__ = ["NbkvCache", "NbkvLayer"]
 
@@ -458,6 +459,12 @@ class NbkvCache(Cache):
         Where the buffers live; the model's device. On CUDA (``nbkv[cuda]``) tensors
         cross through ``__cuda_array_interface__``, bfloat16 as uint16 bit patterns; nbkv
         writes on the default CUDA stream, so run the model there too.
+    bits : 8, 4, 2 or a pair (k_bits, v_bits), optional
+        Quantized layers (:class:`nbkv.QuantizedKVCache`, KIVI) of ``group_size`` and
+        ``residual``: the cache holds codes, and ``update`` returns dequantized copies of
+        the positions held (transformers' attention reads float tensors), as
+        transformers' own ``QuantizedCache`` does; float32, float16 or bfloat16 only.
+    group_size, residual : int, default 64 and 128
 
     Attributes
     ----------
@@ -510,15 +517,16 @@ class NbkvCache(Cache):
         batch_size: int = 1,
         dtype: Any = None,
         device: str | torch.device = "cpu",
+        bits: Any = None,
+        group_size: int = 64,
+        residual: int = 128,
     ) -> None:
         max_cache_len = positive_int(max_cache_len, "max_cache_len")
         batch_size = positive_int(batch_size, "batch_size")
         num_layers, num_kv_heads, head_dim = _sizes_from_config(config)
         np_dtype, torch_dtype = _resolve_dtypes(dtype, config)
         torch_device = _resolve_device(device)
-        cache = KVCache(
-            num_layers,
-            max_cache_len,
+        sizes = dict(
             batch=batch_size,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -526,6 +534,17 @@ class NbkvCache(Cache):
             device=torch_device.type,
             layout="bhsd",
         )
+        if bits is None:
+            cache = KVCache(num_layers, max_cache_len, **sizes)
+        else:
+            # quantized layers: update() hands transformers dequantized copies (its
+            # attention reads float tensors); nbkv.attention would read the codes
+            cache = KVCache.from_layers(
+                QuantizedKVCache(
+                    max_cache_len, bits=bits, group_size=group_size, residual=residual, **sizes
+                )
+                for _ in range(num_layers)
+            )
         self._dtype = torch_dtype
         self._device = torch_device
         super().__init__(layers=self._wrap(cache))
