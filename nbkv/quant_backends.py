@@ -17,7 +17,7 @@ import numpy as np
 from . import _config
 from .kernels import cpu_quant
 
-__all__ = ["QStorage", "QuantBackend", "CPUQuant", "quant_backend"]
+__all__ = ["QStorage", "QuantBackend", "CPUQuant", "CodesReader", "quant_backend"]
 
 
 class QStorage(NamedTuple):
@@ -107,3 +107,25 @@ def quant_backend(backend: Any) -> QuantBackend:
     from .quant_cuda import CUDAQuant
 
     return CUDAQuant(backend)
+
+
+class CodesReader:
+    """What attention sees as a quantized cache's backend: the plain backend's checks and
+    arrays, and an ``attend`` that reads the codes (``k`` is the storage, ``v`` None)."""
+
+    def __init__(self, backend, qbe, q_len: int, bits: tuple[int, int], table) -> None:
+        self._be, self._qbe, self._q_len, self._bits, self._table = (
+            backend, qbe, q_len, bits, table,
+        )  # fmt: skip
+        self.name = backend.name
+        self.check_attention = backend.check_attention
+        self.attention_arrays = backend.attention_arrays
+        self.finish_attention = backend.finish_attention
+
+    def attention_table(self, dtype: np.dtype):
+        return self._table
+
+    def attend(self, q, k_cache, v_cache, seq_len, scale, causal, window, table, out) -> None:
+        self._qbe.attend(
+            q, k_cache, self._q_len, seq_len, self._bits, scale, causal, window, table, out
+        )  # fmt: skip

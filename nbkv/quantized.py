@@ -30,45 +30,33 @@ from __future__ import annotations
 import numbers
 import sys
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from . import _format
 from . import layout as _layout
 from ._units import human_bytes
 from ._validate import nonnegative_int, positive_int
 from .base import BaseKVCache
-from .dtypes import kernel_dtype, resolve_dtype, widen_table
+from .dtypes import resolve_dtype, widen_table
 from .errors import (
     ArgumentTypeError,
-    CacheFormatError,
     InvalidArgumentError,
-    ShapeMismatchError,
 )
 from .protocol import (
     AppendPlan,
     AttentionView,
-    CacheState,
-    LayerState,
-    LoadedLayer,
     StagedAppend,
     register_cache_type,
 )
-from .quant_backends import QStorage, quant_backend
+from .quant_backends import CodesReader, QStorage, quant_backend
+from .quant_state import QuantStateMixin, Store
 
 __all__ = ["QuantizedKVCache", "BITS"]
 
 BITS = (8, 4, 2)
 _NAMES = QStorage._fields
 _F16_MAX = 65504.0  # float16's largest finite value: the reach of float16 scales
-
-
-class _Store(NamedTuple):
-    """A layer's storage and the sizes it was made for."""
-
-    arrays: QStorage
-    sizes: tuple  # (batch, num_kv_heads, head_dim, dtype)
 
 
 def _check_bits(bits: Any) -> tuple[int, int]:
@@ -90,7 +78,7 @@ def _check_bits(bits: Any) -> tuple[int, int]:
 
 
 @register_cache_type("QuantizedKVCache")
-class QuantizedKVCache(BaseKVCache):
+class QuantizedKVCache(QuantStateMixin, BaseKVCache):
     """Keys and values of one attention layer in 8, 4 or 2 bits (KIVI), the newest in
     full precision.
 
@@ -246,7 +234,7 @@ class QuantizedKVCache(BaseKVCache):
         self._seq_len = 0
         self._q_len = 0
 
-    def _new_storage(self, sizes: tuple, capacity: int) -> _Store:
+    def _new_storage(self, sizes: tuple, capacity: int) -> Store:
         batch, heads, dim, dtype = sizes
         g = self._group
         n_groups = capacity // g
@@ -273,9 +261,9 @@ class QuantizedKVCache(BaseKVCache):
             )
         be = self._backend
         arrays = QStorage(*(be.kernel_view(be.empty(s, np.dtype(t))) for s, t in shapes))
-        return _Store(arrays, sizes)
+        return Store(arrays, sizes)
 
-    def _install(self, st: _Store) -> None:
+    def _install(self, st: Store) -> None:
         self._st = st.arrays
         self._k = st.arrays  # what "allocated" and a plan's key look at
         self._batch, self._num_kv_heads, self._head_dim, self._dtype = st.sizes
@@ -289,11 +277,11 @@ class QuantizedKVCache(BaseKVCache):
         """The scales' widening table where the kernels read it (the device, once)."""
         return self._backend.to_device(np.ascontiguousarray(table))
 
-    def _current_storage(self) -> _Store | None:
+    def _current_storage(self) -> Store | None:
         if self._st is None:
             return None
         sizes = (self._batch, self._num_kv_heads, self._head_dim, self._dtype)
-        return _Store(self._st, sizes)
+        return Store(self._st, sizes)
 
     # -- appending (the protocol) ----------------------------------------------------
 
@@ -325,7 +313,7 @@ class QuantizedKVCache(BaseKVCache):
         self._check_values(plan.v, "v")
         return plan
 
-    def _storage_for(self, plan: AppendPlan) -> _Store | None:
+    def _storage_for(self, plan: AppendPlan) -> Store | None:
         if self._st is not None or plan.dims.seq == 0:
             return None
         return self._new_storage(self._configured, self._max_seq_len)
@@ -422,7 +410,7 @@ class QuantizedKVCache(BaseKVCache):
         if self._seq_len == 0:
             raise self._no_positions()
         dims = _layout.Dims(self._batch, self._num_kv_heads, self._seq_len, self._head_dim)
-        reader = _CodesReader(self._backend, self._qbe, self._q_len, self._bits, self._table)
+        reader = CodesReader(self._backend, self._qbe, self._q_len, self._bits, self._table)
         return AttentionView(reader, self._st, None, self._seq_len, dims, self._dtype)
 
     # -- views -----------------------------------------------------------------------
@@ -474,7 +462,7 @@ class QuantizedKVCache(BaseKVCache):
 
     # -- whole batch rows ------------------------------------------------------------
 
-    def _rows_into(self, rows: list[int], store: _Store) -> None:
+    def _rows_into(self, rows: list[int], store: Store) -> None:
         """Batch rows ``rows`` of this cache's arrays into ``store``'s rows 0, 1, ..."""
         for src, dst in zip(self._st, store.arrays, strict=True):
             for i, r in enumerate(rows):
@@ -508,257 +496,8 @@ class QuantizedKVCache(BaseKVCache):
             new.adopt_rows(store, self._seq_len, self._q_len)
         return new
 
-    def adopt_rows(self, store: _Store, seq_len: int, q_len: int) -> None:
+    def adopt_rows(self, store: Store, seq_len: int, q_len: int) -> None:
         """Install ``store`` (made by a cache of this configuration) holding ``seq_len``
         positions, ``q_len`` of them codes: how select and copy hand over their arrays."""
         self._install(store)
         self._seq_len, self._q_len = seq_len, q_len
-
-    # -- state (the protocol) --------------------------------------------------------
-
-    def _meta(self) -> dict:
-        meta = super()._meta()
-        meta.update(
-            max_seq_len=self._max_seq_len,
-            bits=list(self._bits),
-            group_size=self._group,
-            residual=self._residual,
-            q_len=self._q_len,
-        )
-        if self._st is not None:
-            meta["tensors"] = {
-                name: [_format_code(a.dtype, self._dtype), list(a.shape)]
-                for name, a in self._held_arrays_shapes().items()
-            }
-        return meta
-
-    def _held_arrays_shapes(self) -> dict:
-        """name -> a stand-in with the dtype and shape each saved tensor has."""
-        b, h, d = self._batch, self._num_kv_heads, self._head_dim
-        q, g = self._q_len, self._group
-        st = self._st
-        out = {}
-        for name, a, n in (
-            ("k_codes", st.k_codes, q),
-            ("k_scale", st.k_scale, q // g),
-            ("k_zero", st.k_zero, q // g),
-            ("v_codes", st.v_codes, q),
-            ("v_scale", st.v_scale, q),
-            ("v_zero", st.v_zero, q),
-        ):
-            out[name] = _Spec(np.dtype(a.dtype), (b, h, n, int(a.shape[3])))
-        window = (b, h, self._seq_len - q, d)
-        out["k_window"] = _Spec(self._dtype, window)
-        out["v_window"] = _Spec(self._dtype, window)
-        return out
-
-    def _held_tensors(self) -> dict | None:
-        """The saved tensors as host arrays: the codes and scales of ``[0, q_len)`` and
-        the window in position order, all ``[batch, heads, ...]``."""
-        if self._st is None:
-            return None
-        be, st = self._backend, self._st
-        q, g = self._q_len, self._group
-        host = {}
-        for name, a, n in (
-            ("k_codes", st.k_codes, q),
-            ("k_scale", st.k_scale, q // g),
-            ("k_zero", st.k_zero, q // g),
-            ("v_codes", st.v_codes, q),
-            ("v_scale", st.v_scale, q),
-            ("v_zero", st.v_zero, q),
-        ):
-            host[name] = np.ascontiguousarray(be.to_host(a[:, :, :n]))
-        w = self.window_capacity
-        slots = np.arange(q, self._seq_len) % w
-        for name, a in (("k_window", st.k_win), ("v_window", st.v_win)):
-            host[name] = np.ascontiguousarray(be.to_host(a, self._dtype)[:, :, slots])
-        return host
-
-    def export_state(self) -> CacheState:
-        return CacheState(self.state_type, [LayerState(self._meta(), self._held_tensors)])
-
-    @classmethod
-    def _read_meta(cls, m: _format.MetaReader) -> dict:
-        bits = m.get("bits")
-        if not (isinstance(bits, list) and len(bits) == 2 and all(b in BITS for b in bits)):
-            raise m.fail(f"metadata bits must be a pair of {BITS}, got {bits!r:.40}")
-        if any(type(b) is not int for b in bits):
-            raise m.fail(f"metadata bits must be ints, got {bits!r:.40}")
-        return {
-            "max_seq_len": m.int("max_seq_len", minimum=1),
-            "bits": tuple(bits),
-            "group_size": m.int("group_size", minimum=1),
-            "residual": m.int("residual", minimum=0),
-        }
-
-    def _check_layer(self, layer: LoadedLayer, where: str) -> tuple[int, int]:
-        """Everything about a saved layer this cache must agree with; ``(seq_len, q_len)``."""
-        _format.check_loaded_layer(layer, None, where)
-        meta = layer.meta
-        m = _format.MetaReader(meta, where)
-        if meta["type"] != self.state_type:
-            raise CacheFormatError(
-                f"{where}: its layer is a {meta['type']}, not a {self.state_type}"
-            )
-        args = self._read_meta(m)
-        mine = {
-            "max_seq_len": self._max_seq_len,
-            "bits": self._bits,
-            "group_size": self._group,
-            "residual": self._residual,
-            "batch": self._batch,
-            "num_kv_heads": self._num_kv_heads,
-            "head_dim": self._head_dim,
-        }
-        theirs = {**args, **{f: meta[f] for f in _layout.SIZES}}
-        for field, want in mine.items():
-            if theirs[field] != want:
-                raise CacheFormatError(
-                    f"{where} holds a quantized layer of {field} {theirs[field]}, but this "
-                    f"cache has {field} {want}"
-                )
-        dtype = _format.meta_dtype(meta)
-        if dtype != self._dtype:
-            raise CacheFormatError(
-                f"{where} holds dtype {dtype}, but this cache holds {self._dtype}"
-            )
-        held = meta["seq_len"]
-        if not meta["allocated"]:
-            if held:
-                raise m.fail("a layer never allocated holds no position")
-            return 0, 0
-        q = m.int("q_len")
-        g = self._group
-        if held > self._max_seq_len or q > held or q % g or q > (self._max_seq_len // g) * g:
-            raise m.fail(
-                f"seq_len {held} and q_len {q} are not a state of a cache of max_seq_len "
-                f"{self._max_seq_len} and group_size {g}"
-            )
-        if held - q > self.window_capacity:
-            raise m.fail(
-                f"its window holds {held - q} positions, more than the {self.window_capacity} "
-                "this cache's window has"
-            )
-        saved = self._held_arrays_shapes_for(held, q)
-        declared = meta.get("tensors")
-        for name, spec in saved.items():
-            code = _format_code(spec.dtype, self._dtype)
-            if declared.get(name) != [code, list(spec.shape)]:
-                raise m.fail(
-                    f"tensor {name} is {declared.get(name)!r:.60}, not [{code!r}, "
-                    f"{list(spec.shape)}]"
-                )
-        return held, q
-
-    def _held_arrays_shapes_for(self, held: int, q: int) -> dict:
-        seq, q_old = self._seq_len, self._q_len
-        self._seq_len, self._q_len = held, q
-        try:
-            return self._held_arrays_shapes()
-        finally:
-            self._seq_len, self._q_len = seq, q_old
-
-    def check_layer_state(self, layer: LoadedLayer, where: str) -> None:
-        self._check_layer(layer, where)
-
-    def stage_layer_state(self, layer: LoadedLayer, where: str) -> Callable[[], None]:
-        """Check a saved layer and copy its tensors to the device (new arrays), changing
-        nothing; the function returned installs them."""
-        held, q = self._check_layer(layer, where)
-        store = None
-        if layer.meta["allocated"]:
-            t = {n: x.read() if hasattr(x, "read") else x for n, x in layer.tensors.items()}
-            store = self._new_storage(self._configured, self._max_seq_len)
-            self._fill_store(store.arrays, t, held, q)
-
-        def commit() -> None:
-            if store is None:
-                self._reset_counters()
-                return
-            self._install(store)
-            self._seq_len, self._q_len = held, q
-
-        return commit
-
-    def _fill_store(self, st: QStorage, t: dict, held: int, q: int) -> None:
-        """Saved tensors ``t`` (host) into new arrays ``st`` on the device."""
-        be = self._inner
-        g = self._group
-        for name, a, n in (
-            ("k_codes", st.k_codes, q),
-            ("k_scale", st.k_scale, q // g),
-            ("k_zero", st.k_zero, q // g),
-            ("v_codes", st.v_codes, q),
-            ("v_scale", st.v_scale, q),
-            ("v_zero", st.v_zero, q),
-        ):
-            if n:
-                be.write_cache(be.to_kernel(np.ascontiguousarray(t[name])), 0, a)
-        if held > q:
-            kd = kernel_dtype(self._dtype)
-            for name, a in (("k_window", st.k_win), ("v_window", st.v_win)):
-                rows = np.ascontiguousarray(t[name]).view(kd)
-                for a0, b0, p0 in self._ring_ranges(q, held):
-                    part = np.ascontiguousarray(rows[:, :, p0 - q : p0 - q + b0 - a0])
-                    be.write_cache(be.to_kernel(part), a0, a)
-
-    @classmethod
-    def from_layer_state(
-        cls, layer: LoadedLayer, where: str, *, device: str = "cpu", layout: str | None = None
-    ) -> QuantizedKVCache:
-        _format.check_loaded_layer(layer, None, where)
-        meta = layer.meta
-        if meta["type"] != cls.state_type:
-            raise CacheFormatError(
-                f"{where}: its layer is a {meta['type']}, not a {cls.state_type}"
-            )
-        args = cls._read_meta(_format.MetaReader(meta, where))
-        layout = meta["layout"] if layout is None else _layout.check_layout(layout)
-        dtype = _format.meta_dtype(meta)
-        sizes = {f: meta[f] for f in _layout.SIZES}
-        if dtype is None or None in sizes.values():
-            raise CacheFormatError(f"{where}: a quantized layer has its sizes and dtype")
-        try:
-            cache = cls(**args, **sizes, dtype=dtype, device=device, layout=layout)
-        except (InvalidArgumentError, ArgumentTypeError, ShapeMismatchError) as err:
-            raise CacheFormatError(f"{where}: {err}") from None
-        if not meta["allocated"]:
-            cache.deallocate()
-        cache.stage_layer_state(layer, where)()
-        return cache
-
-
-class _Spec(NamedTuple):
-    dtype: np.dtype
-    shape: tuple
-
-
-def _format_code(dtype: Any, logical: np.dtype) -> str:
-    """The safetensors dtype of a saved tensor: a window in the cache's dtype."""
-    dtype = np.dtype(dtype)
-    if dtype == logical:
-        return _format.CODES[str(logical)]
-    return {np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16"}[dtype]
-
-
-class _CodesReader:
-    """What attention sees as a quantized cache's backend: the plain backend's checks and
-    arrays, and an ``attend`` that reads the codes (``k`` is the storage, ``v`` None)."""
-
-    def __init__(self, backend, qbe, q_len: int, bits: tuple[int, int], table) -> None:
-        self._be, self._qbe, self._q_len, self._bits, self._table = (
-            backend, qbe, q_len, bits, table,
-        )  # fmt: skip
-        self.name = backend.name
-        self.check_attention = backend.check_attention
-        self.attention_arrays = backend.attention_arrays
-        self.finish_attention = backend.finish_attention
-
-    def attention_table(self, dtype: np.dtype):
-        return self._table
-
-    def attend(self, q, k_cache, v_cache, seq_len, scale, causal, window, table, out) -> None:
-        self._qbe.attend(
-            q, k_cache, self._q_len, seq_len, self._bits, scale, causal, window, table, out
-        )  # fmt: skip
