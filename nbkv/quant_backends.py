@@ -110,17 +110,17 @@ def quant_backend(backend: Any) -> QuantBackend:
 
 
 class CodesReader:
-    """What attention sees as a quantized cache's backend: the plain backend's checks and
-    arrays, and an ``attend`` that reads the codes (``k`` is the storage, ``v`` None)."""
+    """What attention sees as a quantized cache's backend: the plain backend in all but
+    ``attend``, which reads the codes (``k_cache`` is the :class:`QStorage`, ``v_cache``
+    None), and ``attention_table``, the scales' widening table."""
 
     def __init__(self, backend, qbe, q_len: int, bits: tuple[int, int], table) -> None:
         self._be, self._qbe, self._q_len, self._bits, self._table = (
             backend, qbe, q_len, bits, table,
         )  # fmt: skip
-        self.name = backend.name
-        self.check_attention = backend.check_attention
-        self.attention_arrays = backend.attention_arrays
-        self.finish_attention = backend.finish_attention
+
+    def __getattr__(self, name: str):
+        return getattr(self._be, name)  # checks, arrays, adopt, finish: the plain ones
 
     def attention_table(self, dtype: np.dtype):
         return self._table

@@ -285,6 +285,10 @@ def test_attention_over_codes_matches_the_reference_over_get_kv(
     want = ref.attention(q, K, V, causal=causal, window=window)
     tol = 1e-5 if dtype == "float32" else 2e-2
     np.testing.assert_allclose(out, want, atol=tol, rtol=tol)
+    if device == "cpu":  # out= is written in place
+        given = np.full_like(q, np.nan)
+        assert nbkv.attention(q, c, causal=causal, window=window, out=given) is given
+        np.testing.assert_array_equal(given, out)
 
 
 @pytest.mark.parametrize("device", DEVICES)
