@@ -592,3 +592,25 @@ def test_float32_tensors_into_a_bfloat16_cache_are_refused(bf16_model):
     with pytest.raises(nbkv.DTypeMismatchError, match="dtype=torch.float32"):
         cache.update(k, k, 0)
     assert cache.get_seq_length(0) == 0
+
+
+# -- quantized layers -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [8, (8, 4)])
+def test_quantized_layers_hold_codes_and_generate_the_float_tokens(model, bits):
+    ids = prompt(1, 40)
+    cache = NbkvCache(model.config, 64, bits=bits, group_size=8, residual=8)
+    ours = generate(model, ids, cache)
+    theirs = generate(model, ids, DynamicCache(config=model.config))
+    layer = cache.nbkv[0]
+    assert type(layer) is nbkv.QuantizedKVCache and layer.q_len > 0
+    assert (ours.sequences == theirs.sequences).float().mean() > 0.9
+    # what the model attended over is what the quantized layer returns
+    keys, _ = held(cache, 0)
+    assert torch.equal(cache.layers[0].keys, keys)
+
+
+def test_quantized_layers_refuse_float64():
+    with pytest.raises(nbkv.InvalidArgumentError, match="float32, float16 or bfloat16"):
+        NbkvCache(make_config(), 16, dtype="float64", bits=8)

@@ -613,3 +613,64 @@ TestQuantizedMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_model_caches_of_other_dtypes_and_bad_combinations_raise():
+    from nbkv.models import Llama
+
+    model = Llama.default()
+    with pytest.raises(nbkv.DTypeMismatchError, match="float32, float16 or bfloat16"):
+        model.new_cache(1, 16, dtype="float64")
+    with pytest.raises(nbkv.InvalidArgumentError, match="window and bits"):
+        model.new_cache(1, window=16, bits=4)
+    with pytest.raises(nbkv.InvalidArgumentError, match="bits"):
+        model.new_cache(1, 16, bits=3)
+    half = model.new_cache(1, 64, dtype="float16")
+    ids = np.arange(30, 50)[None]
+    full = model.forward(ids, model.new_cache(1, 64))
+    np.testing.assert_allclose(model.forward(ids, half), full, atol=0.05)
+    assert half[0].dtype == np.float16
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        "not a dict",
+        {},
+        {"K-codes": ["U8", [1, 1, 1, 1]]},
+        {"k": ["U8", [1]]},
+        {"k_codes": ["X9", [1]]},
+        {"k_codes": ["U8", [-1]]},
+        {"k_codes": ["U8", "shape"]},
+        {f"t{i}": ["U8", [1]] for i in range(17)},
+    ],
+)
+def test_a_file_declaring_bad_tensors_is_a_cache_format_error(tmp_path, tensors):
+    from nbkv import _format
+
+    c = _cache(bits=4, residual=0)
+    x = np.ones((2, 2, 8, 8), np.float32)
+    c.append(x, x)
+    state = c.export_state()
+    meta = dict(state.layers[0].meta, tensors=tensors)
+    bad = nbkv.protocol.LoadedState(
+        state.type, [nbkv.protocol.LoadedLayer(meta, None, None, {})], "crafted"
+    )
+    with pytest.raises(nbkv.CacheFormatError):
+        _format.check_loaded(bad)
+    with pytest.raises(nbkv.CacheFormatError):
+        c.import_state(bad)
+    assert c.seq_len == 8
+
+
+def test_a_kv_cache_of_quantized_layers_saves_and_loads(tmp_path):
+    layers = [_cache(bits=b) for b in (8, 4, 2)]
+    cache = nbkv.KVCache.from_layers(layers)
+    x = np.random.default_rng(0).standard_normal((2, 2, 20, 8)).astype(np.float32)
+    for layer in cache:
+        layer.append(x, x)
+    nbkv.save(tmp_path / "m.nbkv", cache)
+    back = nbkv.load(tmp_path / "m.nbkv")
+    assert [layer.bits for layer in back] == [(8, 8), (4, 4), (2, 2)]
+    for a, b in zip(cache, back, strict=True):
+        np.testing.assert_array_equal(_kv(a)[0], _kv(b)[0])
