@@ -674,3 +674,19 @@ def test_a_kv_cache_of_quantized_layers_saves_and_loads(tmp_path):
     assert [layer.bits for layer in back] == [(8, 8), (4, 4), (2, 2)]
     for a, b in zip(cache, back, strict=True):
         np.testing.assert_array_equal(_kv(a)[0], _kv(b)[0])
+
+
+@pytest.mark.skipif(SIM, reason="the CPU kernels' serial and parallel forms")
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_the_parallel_and_the_serial_kernels_agree_exactly(bits):
+    rng = np.random.default_rng(bits)
+    c = _cache(batch=3, num_kv_heads=4, head_dim=16, bits=bits, group_size=8, residual=3,
+               max_seq_len=200)  # fmt: skip
+    x = _data(rng, (3, 4, 150, 16), "float32")
+    c.append(x, -x)
+    q = rng.standard_normal((3, 8, 4, 16)).astype(np.float32)
+    with nbkv.override_tunables(ATTENTION_PARALLEL_MIN=2**31 - 1):
+        serial = nbkv.attention(q, c, window=70)
+    with nbkv.override_tunables(ATTENTION_PARALLEL_MIN=1):
+        parallel = nbkv.attention(q, c, window=70)
+    np.testing.assert_array_equal(serial, parallel)
