@@ -101,6 +101,14 @@ class QuantizedKVCache(QuantStateMixin, BaseKVCache):
     layout : {"bhsd", "bshd"}
         Axis order of every array passed in or returned (the codes have their own).
 
+    Notes
+    -----
+    Codes cannot hold NaN or infinity, nor (a float32 cache) values past float16's
+    65504, the scales' range: ``append`` of host arrays holding them raises
+    :class:`~nbkv.InvalidArgumentError` and changes nothing. Device arrays (CUDA) are
+    not scanned, which would cost a reduction and a copy per append: there such a value
+    makes its group's codes meaningless.
+
     Raises
     ------
     ArgumentTypeError, InvalidArgumentError, DTypeMismatchError
@@ -295,15 +303,12 @@ class QuantizedKVCache(QuantStateMixin, BaseKVCache):
         """Host K/V must be finite and within the scales' reach (codes cannot hold more)."""
         if not isinstance(x, np.ndarray) or x.size == 0:
             return  # device arrays are not scanned (see the class docstring)
-        wide = x.astype(np.float32) if x.dtype.itemsize == 2 else x
-        if not np.isfinite(wide).all():
+        top = float(np.abs(x).max())  # one pass: NaN and inf make it fail below too
+        if not top <= self._limit:
+            what = "NaN or infinity" if not np.isfinite(top) else f"{top:g}"
             raise InvalidArgumentError(
-                f"{name} holds NaN or infinity, which a quantized cache cannot store"
-            )
-        top = float(np.abs(wide).max())
-        if top > self._limit:
-            raise InvalidArgumentError(
-                f"{name} holds {top:g}, beyond the {self._limit:g} its 16-bit scales reach"
+                f"{name} holds {what}, which a quantized cache cannot store: values must be "
+                f"finite and within the {self._limit:g} its 16-bit scales reach"
             )
 
     def prepare_append(self, k: Any, v: Any) -> AppendPlan:

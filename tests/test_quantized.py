@@ -456,8 +456,8 @@ def _bad_appends():
     nan[0, 0, 0, 0] = np.nan
     big = ok * 1e6
     return [
-        ((nan, ok), nbkv.InvalidArgumentError, "NaN"),
-        ((ok, big), nbkv.InvalidArgumentError, "beyond"),
+        ((nan, ok), nbkv.InvalidArgumentError, "NaN or infinity"),
+        ((ok, big), nbkv.InvalidArgumentError, "within the 65504"),
         ((ok.astype(np.float16), ok.astype(np.float16)), nbkv.DTypeMismatchError, "float16"),
         ((np.ones((2, 2, 1, 4), np.float32),) * 2, nbkv.ShapeMismatchError, "head_dim"),
         ((np.ones((2, 2, 60, 8), np.float32),) * 2, nbkv.CacheOverflowError, "does not fit"),
