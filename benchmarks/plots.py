@@ -177,8 +177,68 @@ def plot_attention(data: dict, ax: Any = None) -> Any:
     return fig
 
 
+def plot_quantized(data: dict, ax: Any = None) -> Any:
+    """bench_quantized.py: decode attention time against seq_len (float32, float16, 8-bit
+    and 4-bit caches), whiskers p10 to p90; with no ``ax``, a second panel of each
+    cache's speedup over float16, the targets dashed (below 1 the codes are slower)."""
+    results = data["results"]["attention"]
+    seqs = sorted(results, key=int)
+    names = list(results[seqs[0]]["methods"])
+    if ax is None:
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(12, 5), layout="constrained")
+        ax, ax2 = fig.subplots(1, 2)
+    else:
+        fig, ax2 = ax.figure, None
+    xs = [int(s) for s in seqs]
+    for i, name in enumerate(names):
+        ms = [results[s]["methods"][name] for s in seqs]
+        ys = [m["us"] / 1e3 for m in ms]
+        err = [
+            [(m["us"] - m["us_p10"]) / 1e3 for m in ms],
+            [(m["us_p90"] - m["us"]) / 1e3 for m in ms],
+        ]
+        style = dict(marker="o", color=f"C{i}", capsize=2, label=name)
+        ax.errorbar(xs, ys, yerr=err, linestyle=":" if name == "float32" else "-", **style)
+        if ax2 is not None and name != "float16":
+            ax2.plot(xs, [m["speedup_vs_float16"] for m in ms], marker="o", color=f"C{i}",
+                     linestyle=":" if name == "float32" else "-", label=name)  # fmt: skip
+    for a in (ax, ax2):
+        if a is None:
+            continue
+        a.set_xscale("log", base=2)
+        a.set_xticks(xs)
+        a.set_xticklabels([f"{x // 1024}k" for x in xs])
+        a.set_xlabel("seq_len (positions held)")
+        a.grid(alpha=0.25, which="both")
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per decode attention call (median; whiskers p10-p90)")
+    ax.set_title(
+        "Decode attention, 32 query / 8 KV heads, head_dim 128, batch 1\n"
+        "quantized: float16 window, group 64, residual 128\n" + machine_line(data),
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    if ax2 is not None:
+        ax2.axhline(1.0, color="0.2", linewidth=0.8)
+        for (name, goal), c in zip((("8-bit", 1.3), ("4-bit", 1.5)), ("C2", "C3"), strict=True):
+            ax2.axhline(
+                goal, color=c, linewidth=0.8, linestyle="--", label=f"{name} target {goal}x"
+            )
+        ax2.set_ylabel("speedup over the float16 cache (float16 time / this time)")
+        ax2.set_ylim(bottom=0)
+        ax2.set_title("Above 1: faster than float16 (dashed: the targets at 32k)", fontsize=9)
+        ax2.legend(fontsize=8)
+    return fig
+
+
 # benchmark name (bench_<name>.py) -> the function drawing its figure
-PLOTTERS: dict[str, Callable[..., Any]] = {"append": plot_append, "attention": plot_attention}
+PLOTTERS: dict[str, Callable[..., Any]] = {
+    "append": plot_append,
+    "attention": plot_attention,
+    "quantized": plot_quantized,
+}
 
 
 def save(fig: Any, path: str | Path, dpi: int = 120) -> Path:
