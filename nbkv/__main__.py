@@ -121,6 +121,13 @@ def _parser() -> argparse.ArgumentParser:
     append.add_argument("--dtype", default="float32", help="storage dtype (float32)")
     append.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     append.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
+    _add_eval(sub)
+    sub.add_parser("info", help="versions, dtypes and CUDA availability")
+    return parser
+
+
+def _add_eval(sub) -> None:
+    """The ``eval`` subcommand: bits per byte, or with ``--kv`` the KL table."""
     evaluate = sub.add_parser(
         "eval",
         help="held-out bits per byte of a model, through the cache",
@@ -150,8 +157,6 @@ def _parser() -> argparse.ArgumentParser:
         "cache's (KL divergence, top-1 agreement, bits per byte; the fp16 noise floor is "
         "always a row). Names: " + KV_GRAMMAR.replace("%", "%%"),
     )
-    sub.add_parser("info", help="versions, dtypes and CUDA availability")
-    return parser
 
 
 def _eval(args) -> int:
