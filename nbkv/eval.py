@@ -60,6 +60,7 @@ from ._kvspec import (
 from ._units import human_bytes
 from ._validate import optional_positive_int, positive_int
 from .errors import ArgumentTypeError, InvalidArgumentError, ShapeMismatchError
+from .models.evaluate import progress_bar
 
 __all__ = [
     "GRAMMAR",
@@ -254,15 +255,7 @@ class _Tally:
 
 
 def _bar(stream: TextIO | None, done: int, total: int, caches: int, t0: float) -> None:
-    if stream is None:
-        return
-    filled = int(30 * done / max(total, 1))
-    rate = done / max(time.perf_counter() - t0, 1e-9)
-    stream.write(
-        f"\r[{'#' * filled}{'.' * (30 - filled)}] {done:,}/{total:,} bytes  "
-        f"{caches} caches  {rate:,.0f} bytes/s"
-    )
-    stream.flush()
+    progress_bar(stream, done, total, f"{caches} caches", t0)
 
 
 def compare(

@@ -53,16 +53,22 @@ def _log2_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return (z[np.arange(len(targets)), targets] - log_norm) / math.log(2)
 
 
-def _bar(stream: TextIO | None, done: int, total: int, bits: float, n: int, t0: float) -> None:
+def progress_bar(stream: TextIO | None, done: int, total: int, note: str, t0: float) -> None:
+    """Redraw a one-line progress bar of ``done`` of ``total`` bytes on ``stream`` (None:
+    nothing), with ``note`` and the throughput since ``t0`` (``time.perf_counter``)."""
     if stream is None:
         return
     filled = int(30 * done / max(total, 1))
     rate = done / max(time.perf_counter() - t0, 1e-9)
     stream.write(
         f"\r[{'#' * filled}{'.' * (30 - filled)}] {done:,}/{total:,} bytes  "
-        f"{bits / max(n, 1):.3f} bits/byte so far  {rate:,.0f} bytes/s"
+        f"{note}  {rate:,.0f} bytes/s"
     )
     stream.flush()
+
+
+def _bar(stream: TextIO | None, done: int, total: int, bits: float, n: int, t0: float) -> None:
+    progress_bar(stream, done, total, f"{bits / max(n, 1):.3f} bits/byte so far", t0)
 
 
 def bits_per_byte(
