@@ -690,3 +690,31 @@ def test_the_parallel_and_the_serial_kernels_agree_exactly(bits):
     with nbkv.override_tunables(ATTENTION_PARALLEL_MIN=1):
         parallel = nbkv.attention(q, c, window=70)
     np.testing.assert_array_equal(serial, parallel)
+
+
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda c: c.crop(-1), nbkv.InvalidArgumentError),
+        (lambda c: c.crop(99), nbkv.InvalidArgumentError),
+        (lambda c: c.trim(1.5), nbkv.ArgumentTypeError),
+        (lambda c: c.select([5]), nbkv.InvalidArgumentError),
+        (lambda c: c.reorder([0, 7]), nbkv.InvalidArgumentError),
+        (lambda c: c.check_room(60), nbkv.CacheOverflowError),
+        (lambda c: nbkv.attention(np.ones((2, 3, 1, 8), np.float32), c), nbkv.ShapeMismatchError),
+        (
+            lambda c: nbkv.attention(np.ones((2, 4, 1, 8), np.float32), c, window=0),
+            nbkv.InvalidArgumentError,
+        ),  # fmt: skip
+    ],
+)
+def test_every_other_bad_call_raises_a_typed_error_and_changes_nothing(call, error):
+    c = _cache(device=DEVICES[0])
+    x = _data(np.random.default_rng(0), (2, 2, 19, 8), "float32")
+    c.append(x, x)
+    before = (_kv(c), c.seq_len, c.q_len)
+    with pytest.raises(error):
+        call(c)
+    assert (c.seq_len, c.q_len) == before[1:]
+    for a, b in zip(before[0], _kv(c), strict=True):
+        np.testing.assert_array_equal(a, b)
