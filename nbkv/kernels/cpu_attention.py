@@ -20,12 +20,16 @@ from numba.extending import overload
 
 from .. import _config
 from .cpu import write_kv, write_kv_bshd
+from .cpu_math import exp32, kind16, prefetch, widen16
 
 __all__ = ["attend", "attend_serial", "attend_bshd", "append_attend", "append_attend_bshd"]
 
 # positions scored per step of the online softmax: a block of K (or V) rows, 32 KiB of
 # float32 at head_dim 128, stays in L1/L2 while every query row of the group uses it
 _BLOCK = 64
+# query rows per chunk (group x queries): 128 rows of accumulators at head_dim 128 are
+# 64 KiB, which stay in L2 while the chunk walks the cache
+_CHUNK_ROWS = 128
 
 
 def _rows(src, table, buf):
@@ -37,24 +41,29 @@ def _rows(src, table, buf):
 @overload(_rows, jit_options={"cache": True})
 def _rows_impl(src, table, buf):
     if src.dtype == types.uint16:
-        # 16-bit floats arrive as bit patterns: one lookup widens each into the buffer
+        # 16-bit floats arrive as bit patterns, widened into the buffer by the CPU's
+        # float16 conversion or bfloat16's shift (vectorised; the table only names which)
         if src.ndim == 3:
 
             def widen_heads(src, table, buf):
+                kind = kind16(table)
                 out = buf[: src.shape[0]]
                 for j in range(src.shape[0]):
                     for h in range(src.shape[1]):
+                        row, dst = src[j, h], out[j, h]
                         for d in range(src.shape[2]):
-                            out[j, h, d] = table[src[j, h, d]]
+                            dst[d] = widen16(row[d], kind)
                 return out
 
             return widen_heads
 
         def widen(src, table, buf):
+            kind = kind16(table)
             out = buf[: src.shape[0]]
             for j in range(src.shape[0]):
+                row, dst = src[j], out[j]
                 for d in range(src.shape[1]):
-                    out[j, d] = table[src[j, d]]
+                    dst[d] = widen16(row[d], kind)
             return out
 
         return widen
@@ -66,33 +75,64 @@ def _scores(qs, kb, s, c0):
     """s[r, c0 + j] = qs[r] . kb[j] for every query row r and cached row j of the block
     (``c0`` > 0: the block is a page of a longer chunk, as in the paged kernels).
 
-    Four query rows share each pass over a K row: one load of K feeds four dot products,
-    and the loop overhead and final horizontal sums are paid once per four (this halved
-    the time of the scores in a measurement at head_dim 128, group 4).
+    Four query rows by two K rows per pass: each K element loaded feeds four dot
+    products and each query element two, eight sums in flight; the loop overhead and the
+    final horizontal sums are shared. (One K row per pass took 2.2x as long at head_dim
+    128, group 4; four K rows per pass gained nothing more.)
     """
     rows, dim = qs.shape
     nb = kb.shape[0]
     r = 0
     while r + 4 <= rows:
         q0, q1, q2, q3 = qs[r], qs[r + 1], qs[r + 2], qs[r + 3]
-        for j in range(nb):
-            kr = kb[j]
-            k0 = kr[0]
-            a0, a1, a2, a3 = q0[0] * k0, q1[0] * k0, q2[0] * k0, q3[0] * k0
-            for d in range(1, dim):
-                kd = kr[d]
-                a0 += q0[d] * kd
-                a1 += q1[d] * kd
-                a2 += q2[d] * kd
-                a3 += q3[d] * kd
+        j = 0
+        while j + 4 <= nb:
+            ka, kc, ke, kg = kb[j], kb[j + 1], kb[j + 2], kb[j + 3]
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = qs.dtype.type(0.0)
+            c_0 = c_1 = c_2 = c_3 = e0 = e1 = e2 = e3 = qs.dtype.type(0.0)
+            for d in range(dim):
+                x, y, z, u = ka[d], kc[d], ke[d], kg[d]
+                p0, p1, p2, p3 = q0[d], q1[d], q2[d], q3[d]
+                a0 += p0 * x
+                a1 += p1 * x
+                a2 += p2 * x
+                a3 += p3 * x
+                b0 += p0 * y
+                b1 += p1 * y
+                b2 += p2 * y
+                b3 += p3 * y
+                c_0 += p0 * z
+                c_1 += p1 * z
+                c_2 += p2 * z
+                c_3 += p3 * z
+                e0 += p0 * u
+                e1 += p1 * u
+                e2 += p2 * u
+                e3 += p3 * u
+            j_ = c0 + j
+            s[r, j_], s[r + 1, j_], s[r + 2, j_], s[r + 3, j_] = a0, a1, a2, a3
+            s[r, j_ + 1], s[r + 1, j_ + 1], s[r + 2, j_ + 1], s[r + 3, j_ + 1] = b0, b1, b2, b3
+            s[r, j_ + 2], s[r + 1, j_ + 2], s[r + 2, j_ + 2], s[r + 3, j_ + 2] = c_0, c_1, c_2, c_3
+            s[r, j_ + 3], s[r + 1, j_ + 3], s[r + 2, j_ + 3], s[r + 3, j_ + 3] = e0, e1, e2, e3
+            j += 4
+        while j < nb:  # the last rows of a block not a multiple of four
+            ka = kb[j]
+            a0 = a1 = a2 = a3 = qs.dtype.type(0.0)
+            for d in range(dim):
+                x = ka[d]
+                a0 += q0[d] * x
+                a1 += q1[d] * x
+                a2 += q2[d] * x
+                a3 += q3[d] * x
             s[r, c0 + j], s[r + 1, c0 + j], s[r + 2, c0 + j], s[r + 3, c0 + j] = a0, a1, a2, a3
+            j += 1
         r += 4
     while r < rows:  # the rows left over, one at a time
         qr = qs[r]
         for j in range(nb):
             kr = kb[j]
-            a0 = qr[0] * kr[0]
-            for d in range(1, dim):
+            a0 = qr.dtype.type(0.0)
+            for d in range(dim):
                 a0 += qr[d] * kr[d]
             s[r, c0 + j] = a0
         r += 1
@@ -101,45 +141,75 @@ def _scores(qs, kb, s, c0):
 # error_model="numpy": a division by zero gives inf or NaN as IEEE says, never an exception
 @njit(cache=True, fastmath=_config.FASTMATH, error_model="numpy")
 def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out, task):
-    """:func:`attend` for one (batch row, KV head) pair, ``task = b * num_kv_heads + kvh``."""
+    """:func:`attend` for one (batch row, KV head) pair, ``task = b * num_kv_heads + kvh``.
+
+    The queries go in chunks of ``_CHUNK_ROWS // group`` (a decode step is one chunk):
+    a chunk's running state (``acc``: 64 KiB at head_dim 128) stays in the L1/L2 caches
+    while it walks the positions its queries see, which a prefill's whole group would not
+    (512 queries at group 4: 1 MiB of accumulators, rewritten once per block)."""
     batch, num_heads, n_q, dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    rows = group * n_q  # query rows sharing one KV head: row r = g * n_q + i
     first = seq_len - n_q  # position of the first query (the last is seq_len - 1)
-    # the positions any query of the chunk can see, and those every query sees
-    lo = max(0, first - window + 1) if window > 0 else 0
-    all_lo = max(0, seq_len - window) if window > 0 else 0
-    all_hi = first + 1 if causal else seq_len
     b = task // num_kv_heads
     kvh = task - b * num_kv_heads
-    qs = np.empty((rows, dim), q.dtype)  # the group's queries, scale folded in
-    for g in range(group):
-        for i in range(n_q):
-            for d in range(dim):
-                qs[g * n_q + i, d] = q[b, kvh * group + g, i, d] * scale
-    m = np.full(rows, -np.inf, q.dtype)  # running maximum score per row
-    denom = np.zeros(rows, q.dtype)  # running sum of exp(score - m)
-    acc = np.zeros((rows, dim), q.dtype)  # running sum of exp(score - m) * V
-    s = np.empty((rows, _BLOCK), q.dtype)  # this block's scores, then weights
+    chunk = max(1, min(n_q, _CHUNK_ROWS // group))  # queries per chunk
+    size = group * chunk  # query rows per chunk: row r = g * n_c + i
+    qs_buf = np.empty((size, dim), q.dtype)  # the chunk's queries, scale folded in
+    m_buf = np.empty(size, q.dtype)  # running maximum score per row
+    denom_buf = np.empty(size, q.dtype)  # running sum of exp(score - m)
+    acc_buf = np.empty((size, dim), q.dtype)  # running sum of exp(score - m) * V
+    s_buf = np.empty((size, _BLOCK), q.dtype)  # a block's scores, then weights
     k_buf = np.empty((_BLOCK, dim), q.dtype)  # widened rows (16-bit caches only)
     v_buf = np.empty((_BLOCK, dim), q.dtype)
-    for j0 in range(lo, seq_len, _BLOCK):
-        j1 = min(j0 + _BLOCK, seq_len)
-        nb = j1 - j0
-        kb = _rows(k_cache[b, kvh, j0:j1], table, k_buf)
-        _scores(qs, kb, s, 0)
-        if j0 < all_lo or j1 > all_hi:
-            # a block at the edge of the causal mask or the window: mask per row
-            _mask(s, nb, j0, first, n_q, causal, window)
-        _online_softmax(s, nb, m, denom, acc)
-        vb = _rows(v_cache[b, kvh, j0:j1], table, v_buf)
-        _accumulate(s, vb, acc, 0)
-    for r in range(rows):
-        h = kvh * group + r // n_q
-        inv = 1.0 / denom[r]  # inf when nothing was finite: 0 * inf = NaN out
-        for d in range(dim):
-            out[b, h, r % n_q, d] = acc[r, d] * inv
+    k_rows, v_rows = k_cache[b, kvh], v_cache[b, kvh]
+    for i0 in range(0, n_q, chunk):
+        n_c = min(chunk, n_q - i0)
+        rows = group * n_c
+        qs, m, denom = qs_buf[:rows], m_buf[:rows], denom_buf[:rows]
+        acc, s = acc_buf[:rows], s_buf[:rows]
+        for g in range(group):
+            for i in range(n_c):
+                for d in range(dim):
+                    qs[g * n_c + i, d] = q[b, kvh * group + g, i0 + i, d] * scale
+        m[:] = -np.inf
+        denom[:] = 0.0
+        acc[:] = 0.0
+        p0 = first + i0  # the chunk's first query position, and its last
+        p1 = p0 + n_c - 1
+        # the positions any query of the chunk can see, and those every query sees
+        lo = max(0, p0 - window + 1) if window > 0 else 0
+        hi = p1 + 1 if causal else seq_len
+        all_lo = max(0, p1 - window + 1) if window > 0 else 0
+        all_hi = p0 + 1 if causal else seq_len
+        for j0 in range(lo, hi, _BLOCK):
+            j1 = min(j0 + _BLOCK, hi)
+            nb = j1 - j0
+            # the next block's K and V start on their way while this one is computed
+            _prefetch_rows(k_rows, j1, min(j1 + _BLOCK, hi))
+            _prefetch_rows(v_rows, j1, min(j1 + _BLOCK, hi))
+            kb = _rows(k_rows[j0:j1], table, k_buf)
+            _scores(qs, kb, s, 0)
+            if j0 < all_lo or j1 > all_hi:
+                # a block at the edge of the causal mask or the window: mask per row
+                _mask(s, nb, j0, p0, n_c, causal, window)
+            _online_softmax(s, nb, m, denom, acc)
+            vb = _rows(v_rows[j0:j1], table, v_buf)
+            _accumulate(s, vb, acc, 0)
+        for r in range(rows):
+            h = kvh * group + r // n_c
+            inv = 1.0 / denom[r]  # inf when nothing was finite: 0 * inf = NaN out
+            for d in range(dim):
+                out[b, h, i0 + r % n_c, d] = acc[r, d] * inv
+
+
+@njit(cache=True)
+def _prefetch_rows(x, j0, j1):
+    """Prefetch rows ``j0 .. j1 - 1`` of ``x`` ([positions, head_dim]), line by line."""
+    step = max(1, 64 // x.itemsize)  # elements per 64-byte cache line
+    for j in range(j0, j1):
+        for d in range(0, x.shape[1], step):
+            prefetch(x, j, d)
 
 
 @njit(cache=True)
@@ -153,37 +223,60 @@ def _mask(s, nb, j0, first, n_q, causal, window):
                 s[r, j] = -np.inf
 
 
+def _exp(x):
+    """exp(x) in x's precision: float32 by :func:`nbkv.kernels.cpu_math.exp32` (which
+    vectorises), float64 by ``np.exp``. By the overload."""
+    raise NotImplementedError  # pragma: no cover - only called from compiled code
+
+
+@overload(_exp, jit_options={"cache": True})
+def _exp_impl(x):
+    if x == types.float32:
+        return lambda x: exp32(x)
+    return lambda x: np.exp(x)
+
+
 @njit(cache=True, fastmath=_config.FASTMATH, error_model="numpy")
 def _online_softmax(s, nb, m, denom, acc):
     """One block of the streaming softmax: per row, raise the running maximum ``m`` to the
     block's, rescale ``denom`` and ``acc`` by what that changes, and turn the block's
     scores ``s[:, :nb]`` into weights ``exp(score - m)`` added to ``denom``. Mutates all
-    four (``acc`` only by the rescaling; the weighted V rows are the caller's to add)."""
+    four (``acc`` only by the rescaling; the weighted V rows are the caller's to add).
+
+    The loops over the block are branch-free and keep their sums in locals, so that they
+    vectorise: the maximum by a select, the weights by :func:`_exp` (a float32 ``exp``
+    that vectorises; ``np.exp`` stays a scalar libm call here).
+    """
     dim = acc.shape[1]
     for r in range(s.shape[0]):
-        block_max = -np.inf
+        sr = s[r]
+        block_max = sr.dtype.type(-np.inf)
         for j in range(nb):
-            block_max = max(block_max, s[r, j])  # max(m, NaN) is m: NaN is seen below
+            x = sr[j]
+            block_max = x if x > block_max else block_max  # a NaN is never taken: seen below
         if block_max == -np.inf:  # nothing finite in this row of the block
             poisoned = False
             for j in range(nb):
-                poisoned |= s[r, j] != s[r, j]
-                s[r, j] = 0.0
+                poisoned |= sr[j] != sr[j]
+                sr[j] = 0.0
             if poisoned:  # a NaN score: the row's output is NaN, as IEEE says
                 m[r] = np.nan
                 denom[r] = np.nan
             continue
         m_new = max(m[r], block_max)
         # rescale what was accumulated under the old maximum (exp(-inf) = 0)
-        correction = np.exp(m[r] - m_new)
-        denom[r] *= correction
-        for d in range(dim):
-            acc[r, d] *= correction
+        correction = _exp(m[r] - m_new)
+        if correction != 1.0:
+            ar = acc[r]
+            for d in range(dim):
+                ar[d] *= correction
         m[r] = m_new
+        total = sr.dtype.type(0.0)
         for j in range(nb):
-            w = np.exp(s[r, j] - m_new)
-            s[r, j] = w
-            denom[r] += w
+            w = _exp(sr[j] - m_new)  # NaN scores give NaN weights: NaN output
+            sr[j] = w
+            total += w
+        denom[r] = denom[r] * correction + total
 
 
 @njit(cache=True, fastmath=_config.FASTMATH)
@@ -208,11 +301,27 @@ def _accumulate(s, vb, acc, c0):
             w20, w21, w22, w23 = s2[c0 + j], s2[c0 + j + 1], s2[c0 + j + 2], s2[c0 + j + 3]
             w30, w31, w32, w33 = s3[c0 + j], s3[c0 + j + 1], s3[c0 + j + 2], s3[c0 + j + 3]
             for d in range(dim):
+                # four running sums, each a chain of fused multiply-adds (as one
+                # expression per row, 18% slower at 128 rows: a multiply and an add more)
                 x0, x1, x2, x3 = v0[d], v1[d], v2[d], v3[d]
-                a0[d] += w00 * x0 + w01 * x1 + w02 * x2 + w03 * x3
-                a1[d] += w10 * x0 + w11 * x1 + w12 * x2 + w13 * x3
-                a2[d] += w20 * x0 + w21 * x1 + w22 * x2 + w23 * x3
-                a3[d] += w30 * x0 + w31 * x1 + w32 * x2 + w33 * x3
+                t0, t1, t2, t3 = a0[d], a1[d], a2[d], a3[d]
+                t0 += w00 * x0
+                t1 += w10 * x0
+                t2 += w20 * x0
+                t3 += w30 * x0
+                t0 += w01 * x1
+                t1 += w11 * x1
+                t2 += w21 * x1
+                t3 += w31 * x1
+                t0 += w02 * x2
+                t1 += w12 * x2
+                t2 += w22 * x2
+                t3 += w32 * x2
+                t0 += w03 * x3
+                t1 += w13 * x3
+                t2 += w23 * x3
+                t3 += w33 * x3
+                a0[d], a1[d], a2[d], a3[d] = t0, t1, t2, t3
             j += 4
         while j < nb:  # the positions left over
             v0 = vb[j]

@@ -1,0 +1,183 @@
+"""Scalar float32 building blocks for the CPU kernels, written so that LLVM vectorises the
+loops that call them: bit casts, a float32 ``exp``, and 16-bit floats widened without a
+lookup table.
+
+Why these exist: Numba's pip build of llvmlite has no SVML
+(``llvmlite.binding.targets.has_svml()`` is False), so a loop calling ``math.exp`` stays
+scalar, one libm call per element; and a ``table[bits]`` lookup is a gather the
+vectoriser will not emit. The functions below are branch-free arithmetic on float32 and
+uint32 that compile to a handful of SIMD instructions per 8 or 16 elements once inlined
+into the caller's loop.
+
+- :func:`exp32` is ``exp`` for float32 arguments: the range reduction ``x = n ln2 + r``
+  with ``|r| <= ln2 / 2`` (``ln2`` in two parts, Cody and Waite, so ``n ln2`` is exact),
+  a degree-7 polynomial for ``exp(r)`` (Cephes' ``expf`` coefficients) and ``2**n`` built
+  from its bits. Within 8 ulp of float64's ``exp`` over ``[-86.98, 88.72]`` (tested);
+  below that 0 (results under 1.8e-38 are flushed, which a softmax weight never
+  notices), above it infinity; ``-inf`` gives exactly 0, ``NaN`` gives NaN.
+- :func:`widen16` turns the ``uint16`` bits of a float16 (``kind`` 0) into float32 by
+  the CPU's own conversion (``vcvtph2ps`` with F16C, exact for every pattern: subnormals,
+  infinities and NaN payloads), and those of a bfloat16 (``kind`` 1) by a 16-bit shift.
+- :func:`kind16` tells the two formats apart from a widening table
+  (:func:`nbkv.dtypes.widen_table`), the argument the kernels have always taken.
+
+Safe under the kernels' ``fastmath`` flags (which Numba passes on to what a fastmath
+function calls): the rounding in :func:`exp32` is ``floor`` and an integer conversion,
+which no reassociation touches; folding ``ln2``'s two parts into one costs at most
+``|n| * 2**-25`` relative error, and only for weights below ``exp(-8)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+__all__ = ["exp32", "widen16", "kind16", "bits32", "float32_of", "prefetch"]
+
+
+@intrinsic
+def bits32(typingctx, x):
+    """The IEEE bits of a float32, as a uint32 (a bit cast: no conversion)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def float32_of(typingctx, u):
+    """The float32 whose IEEE bits are the uint32 ``u`` (a bit cast)."""
+    if u != types.uint32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _half_to_float(typingctx, u):
+    """float16 bits (uint16) to float32 by LLVM's ``fpext half``: the CPU's conversion."""
+    if u != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        half = builder.bitcast(args[0], ir.HalfType())
+        return builder.fpext(half, ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+# exp32's constants, float32: log2(e), ln2 split so that n * _LN2_HI is exact for |n| < 2**9
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+# the range computed: below _LOW the result is 0 (exp(-86.98) = 1.8e-38 is 1.5 times
+# float32's smallest normal), above _HIGH (log of float32's largest) infinity
+_LOW = np.float32(-86.98)
+_HIGH = np.float32(88.72283)
+_INF = np.float32(np.inf)
+_P0 = np.float32(1.9875691500e-4)
+_P1 = np.float32(1.3981999507e-3)
+_P2 = np.float32(8.3334519073e-3)
+_P3 = np.float32(4.1665795894e-2)
+_P4 = np.float32(1.6666665459e-1)
+_P5 = np.float32(5.0000001201e-1)
+_ONE = np.float32(1.0)
+_HALF = np.float32(0.5)
+_ZERO = np.float32(0.0)
+
+
+@njit(cache=True)
+def exp32(x):
+    """``exp(x)`` of a float32, vectorisable (see the module docstring). Returns float32."""
+    x = np.float32(x)
+    # clamp into the range where 2**n is a normal float32 (NaN too: it is put back last)
+    xc = x if x >= _LOW else _LOW
+    xc = _HIGH if xc > _HIGH else xc
+    # n = round(x / ln2); floor and the int conversion are vector instructions
+    n = np.floor(xc * _LOG2E + _HALF)
+    ni = np.int32(n)
+    r = xc - n * _LN2_HI
+    r = r - n * _LN2_LO
+    # exp(r) on [-ln2/2, ln2/2]: 1 + r + r^2 * P(r)
+    p = _P0
+    p = p * r + _P1
+    p = p * r + _P2
+    p = p * r + _P3
+    p = p * r + _P4
+    p = p * r + _P5
+    er = p * (r * r) + r + _ONE
+    # 2**(n - 1) from its bits: n - 1 + 127 stays in [1, 254] over the clamped range;
+    # then exp(x) = exp(r) * 2 * 2**(n - 1)
+    scale = float32_of(np.uint32((ni + 126) << 23))
+    y = (er + er) * scale
+    y = _ZERO if x < _LOW else y
+    y = _INF if x > _HIGH else y
+    return y if x == x else x  # NaN in, NaN out
+
+
+@njit(cache=True)
+def widen16(u, kind):
+    """The float32 value of 16-bit float bits ``u`` (uint16): float16 when ``kind`` is 0
+    (the CPU's conversion), bfloat16 when 1 (the upper half of a float32)."""
+    if kind == 0:
+        return _half_to_float(u)
+    return float32_of(np.uint32(np.uint32(u) << np.uint32(16)))
+
+
+@njit(cache=True)
+def kind16(table):
+    """0 if ``table`` widens float16 bits, 1 if bfloat16 (float16's 0x3C00 is 1.0;
+    bfloat16's is 2**-7), -1 for an empty table (a 32- or 64-bit cache)."""
+    if table.shape[0] <= 0x3C00:
+        return -1
+    return 0 if table[0x3C00] == 1.0 else 1
+
+
+@intrinsic
+def prefetch(typingctx, a, i, j):
+    """Ask the CPU to bring the cache line holding ``a[i, j]`` (a 2-D array) into its
+    caches ahead of use (``llvm.prefetch``: a hint, never a fault, even out of bounds).
+
+    Attention over a long cache alternates memory-bound reads with arithmetic on what was
+    read; without a hint, no read is in flight while the arithmetic runs. Prefetching the
+    next block while this one is computed keeps the memory busy throughout."""
+    if not (isinstance(a, types.Array) and a.ndim == 2):
+        return None
+    if not (isinstance(i, types.Integer) and isinstance(j, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aty = signature.args[0]
+        ary = context.make_array(aty)(context, builder, args[0])
+        idx = [
+            context.cast(builder, v, t, types.intp)
+            for v, t in zip(args[1:], signature.args[1:], strict=True)
+        ]
+        # the address only: no bounds check (a prefetch past the end is harmless)
+        ptr = cgutils.get_item_pointer2(
+            context,
+            builder,
+            ary.data,
+            cgutils.unpack_tuple(builder, ary.shape),
+            cgutils.unpack_tuple(builder, ary.strides),
+            aty.layout,
+            idx,
+        )
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # read (0), keep in all levels (3), data cache (1)
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.none(a, i, j), codegen

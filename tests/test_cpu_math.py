@@ -1,0 +1,157 @@
+"""The CPU kernels' vectorisable building blocks (nbkv.kernels.cpu_math), and the paths of
+CPU attention they opened: the float32 ``exp``, 16-bit widening without a table, the
+prefetch hint, and prefill in query chunks, each against float64 NumPy or the reference."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from numba import njit
+
+import nbkv
+from nbkv import _config, reference
+from nbkv.dtypes import kernel_dtype, resolve_dtype, widen_table
+from nbkv.kernels import cpu_attention
+from nbkv.kernels.cpu_math import exp32, kind16, prefetch, widen16
+
+from conftest import cpu_only
+
+pytestmark = cpu_only
+
+ULP = 2.0**-24  # float32's relative spacing, at the least
+
+
+@njit(fastmath=_config.FASTMATH)
+def _exp_fast(x, out):
+    # the kernels' licences: exp32 must stay exact under them (Numba passes a caller's
+    # fastmath flags on to what it calls)
+    for i in range(x.shape[0]):
+        out[i] = exp32(x[i])
+
+
+@njit
+def _exp_strict(x, out):
+    for i in range(x.shape[0]):
+        out[i] = exp32(x[i])
+
+
+@pytest.mark.parametrize("loop", [_exp_fast, _exp_strict], ids=["fastmath", "strict"])
+def test_exp32_is_within_a_few_ulp_of_float64_exp(rng, loop):
+    x = np.concatenate(
+        [
+            np.linspace(-86.98, 88.72, 400_001, dtype=np.float32),
+            rng.uniform(-30, 0, 100_000).astype(np.float32),  # where softmax weights live
+            np.float32([0.0, -0.0, 1e-30, -1e-30, 0.5, -0.5 * math.log(2)]),
+        ]
+    )
+    got = np.empty_like(x)
+    loop(x, got)
+    want = np.exp(x.astype(np.float64))
+    rel = np.abs(got - want) / want
+    assert rel.max() <= 8 * ULP, f"worst at x = {x[np.argmax(rel)]}: {rel.max() / ULP:.1f} ulp"
+
+
+@pytest.mark.parametrize("loop", [_exp_fast, _exp_strict], ids=["fastmath", "strict"])
+def test_exp32_edges(loop):
+    x = np.float32([-np.inf, np.inf, np.nan, -1e4, -87.0, 88.8, 1e4, -np.nan])
+    got = np.empty_like(x)
+    loop(x, got)
+    assert got[0] == 0.0 and got[3] == 0.0 and got[4] == 0.0  # -inf and underflow: 0
+    assert got[1] == np.inf and got[5] == np.inf and got[6] == np.inf
+    assert np.isnan(got[2]) and np.isnan(got[7])
+
+
+@njit
+def _widen_all(bits, kind, out):
+    for i in range(bits.shape[0]):
+        out[i] = widen16(bits[i], kind)
+
+
+def test_widen16_is_exact_for_every_float16_pattern():
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    got = np.empty(1 << 16, np.float32)
+    _widen_all(bits, 0, got)
+    want = bits.view(np.float16).astype(np.float32)
+    finite = ~np.isnan(want)
+    # every number, subnormals, zeros (signed) and infinities bit for bit; NaN stays NaN
+    assert np.array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
+    assert np.isnan(got[~finite]).all()
+
+
+def test_widen16_is_exact_for_every_bfloat16_pattern():
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    got = np.empty(1 << 16, np.float32)
+    _widen_all(bits, 1, got)
+    assert np.array_equal(got.view(np.uint32), bits.astype(np.uint32) << 16)
+
+
+def test_kind16_reads_the_format_off_the_widening_table():
+    assert kind16(widen_table(np.dtype(np.float16))) == 0
+    assert kind16(widen_table(resolve_dtype("bfloat16"))) == 1
+    assert kind16(widen_table(np.dtype(np.float32))) == -1
+
+
+@njit
+def _touch(a, i, j):
+    prefetch(a, i, j)
+    return a[0, 0]
+
+
+def test_prefetch_is_a_hint_that_never_faults_or_writes():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    before = a.copy()
+    for i, j in [(0, 0), (2, 3), (3, 0), (-1, 0), (10**6, 10**6)]:  # past the end too
+        assert _touch(a, i, j) == 0.0
+    assert _touch(a[:, ::2], 1, 1) == 0.0  # a strided view
+    assert np.array_equal(a, before)
+
+
+def _chunked_cases():
+    """(group, n_q, seq_len, head_dim, window, causal, dtype): prefill chunks that span
+    one, several and a partial last query chunk (``_CHUNK_ROWS // group`` queries each),
+    blocks not a multiple of the block size, windows inside a chunk and across it."""
+    rows = cpu_attention._CHUNK_ROWS
+    return [
+        (4, rows // 4 * 3 + 5, 300, 72, 0, True, "float32"),
+        (1, rows + 1, 200, 16, 0, True, "float32"),
+        (8, 40, 130, 128, 0, True, "float16"),
+        (3, 70, 150, 7, 50, True, "bfloat16"),
+        (4, 33, 65, 32, 20, False, "float32"),
+        (2, 100, 100, 24, 0, True, "float64"),
+        (4, 1, 1000, 128, 0, True, "float16"),  # a decode step
+        (5, 64, 129, 40, 3, True, "float32"),
+    ]
+
+
+@pytest.mark.parametrize("group,n_q,seq_len,head_dim,window,causal,dtype", _chunked_cases())
+@pytest.mark.parametrize("parallel", [True, False])
+def test_chunked_prefill_matches_the_reference(
+    rng, group, n_q, seq_len, head_dim, window, causal, dtype, parallel
+):
+    dt = resolve_dtype(dtype)
+    kv_heads, batch = 2, 2
+    k = rng.standard_normal((batch, kv_heads, seq_len, head_dim)).astype(dt)
+    v = rng.standard_normal((batch, kv_heads, seq_len, head_dim)).astype(dt)
+    acc = np.float64 if dt == np.float64 else np.float32
+    q = rng.standard_normal((batch, kv_heads * group, n_q, head_dim)).astype(acc)
+    out = np.full_like(q, np.nan)
+    kernel = cpu_attention.attend if parallel else cpu_attention.attend_serial
+    kd = kernel_dtype(dt)
+    scale = 1 / math.sqrt(head_dim)
+    kernel(q, k.view(kd), v.view(kd), seq_len, scale, causal, window, widen_table(dt), out)
+    want = reference.attention(
+        q, k.astype(np.float64), v.astype(np.float64), causal=causal, window=window or None
+    )
+    np.testing.assert_allclose(out, want, rtol=0, atol=3e-5 if acc == np.float32 else 1e-12)
+
+
+def test_attention_through_the_api_uses_the_same_chunked_kernel(rng):
+    cache = nbkv.LayerKVCache(256, batch=1, num_kv_heads=2, head_dim=64, dtype="float16")
+    k = rng.standard_normal((1, 2, 200, 64)).astype(np.float16)
+    v = rng.standard_normal((1, 2, 200, 64)).astype(np.float16)
+    cache.append(k, v)
+    q = rng.standard_normal((1, 8, 90, 64)).astype(np.float32)
+    want = reference.attention(q, k.astype(np.float64), v.astype(np.float64))
+    np.testing.assert_allclose(nbkv.attention(q, cache), want, rtol=0, atol=3e-5)
