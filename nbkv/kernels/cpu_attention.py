@@ -70,10 +70,26 @@ def _rows_impl(src, table, buf):
     return lambda src, table, buf: src  # float32/float64 rows are read in place
 
 
+def _val(x, kind):
+    """A stored element as the arithmetic sees it: 16-bit bits (uint16) widened by
+    :func:`widen16` (``kind`` 0 float16, 1 bfloat16), floats as they are. By the overload.
+    """
+    raise NotImplementedError  # pragma: no cover - only called from compiled code
+
+
+@overload(_val, jit_options={"cache": True})
+def _val_impl(x, kind):
+    if x == types.uint16:
+        return lambda x, kind: widen16(x, kind)
+    return lambda x, kind: x
+
+
 @njit(cache=True, fastmath=_config.FASTMATH)
-def _scores(qs, kb, s, c0):
+def _scores(qs, kb, s, c0, kind=-1):
     """s[r, c0 + j] = qs[r] . kb[j] for every query row r and cached row j of the block
-    (``c0`` > 0: the block is a page of a longer chunk, as in the paged kernels).
+    (``c0`` > 0: the block is a page of a longer chunk, as in the paged kernels). ``kb``
+    may be 16-bit bits, widened as they are loaded (``kind``, see :func:`_val`): no
+    widened copy is written and read back (that pass took a third of a decode step).
 
     Four query rows by two K rows per pass: each K element loaded feeds four dot
     products and each query element two, eight sums in flight; the loop overhead and the
@@ -91,7 +107,12 @@ def _scores(qs, kb, s, c0):
             a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = qs.dtype.type(0.0)
             c_0 = c_1 = c_2 = c_3 = e0 = e1 = e2 = e3 = qs.dtype.type(0.0)
             for d in range(dim):
-                x, y, z, u = ka[d], kc[d], ke[d], kg[d]
+                x, y, z, u = (
+                    _val(ka[d], kind),
+                    _val(kc[d], kind),
+                    _val(ke[d], kind),
+                    _val(kg[d], kind),
+                )
                 p0, p1, p2, p3 = q0[d], q1[d], q2[d], q3[d]
                 a0 += p0 * x
                 a1 += p1 * x
@@ -119,7 +140,7 @@ def _scores(qs, kb, s, c0):
             ka = kb[j]
             a0 = a1 = a2 = a3 = qs.dtype.type(0.0)
             for d in range(dim):
-                x = ka[d]
+                x = _val(ka[d], kind)
                 a0 += q0[d] * x
                 a1 += q1[d] * x
                 a2 += q2[d] * x
@@ -133,7 +154,7 @@ def _scores(qs, kb, s, c0):
             kr = kb[j]
             a0 = qr.dtype.type(0.0)
             for d in range(dim):
-                a0 += qr[d] * kr[d]
+                a0 += qr[d] * _val(kr[d], kind)
             s[r, c0 + j] = a0
         r += 1
 
@@ -160,8 +181,7 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
     denom_buf = np.empty(size, q.dtype)  # running sum of exp(score - m)
     acc_buf = np.empty((size, dim), q.dtype)  # running sum of exp(score - m) * V
     s_buf = np.empty((size, _BLOCK), q.dtype)  # a block's scores, then weights
-    k_buf = np.empty((_BLOCK, dim), q.dtype)  # widened rows (16-bit caches only)
-    v_buf = np.empty((_BLOCK, dim), q.dtype)
+    kind = kind16(table)  # 16-bit caches: float16 (0) or bfloat16 (1), widened as loaded
     k_rows, v_rows = k_cache[b, kvh], v_cache[b, kvh]
     for i0 in range(0, n_q, chunk):
         n_c = min(chunk, n_q - i0)
@@ -188,14 +208,12 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
             # the next block's K and V start on their way while this one is computed
             _prefetch_rows(k_rows, j1, min(j1 + _BLOCK, hi))
             _prefetch_rows(v_rows, j1, min(j1 + _BLOCK, hi))
-            kb = _rows(k_rows[j0:j1], table, k_buf)
-            _scores(qs, kb, s, 0)
+            _scores(qs, k_rows[j0:j1], s, 0, kind)
             if j0 < all_lo or j1 > all_hi:
                 # a block at the edge of the causal mask or the window: mask per row
                 _mask(s, nb, j0, p0, n_c, causal, window)
             _online_softmax(s, nb, m, denom, acc)
-            vb = _rows(v_rows[j0:j1], table, v_buf)
-            _accumulate(s, vb, acc, 0)
+            _accumulate(s, v_rows[j0:j1], acc, 0, kind)
         for r in range(rows):
             h = kvh * group + r // n_c
             inv = 1.0 / denom[r]  # inf when nothing was finite: 0 * inf = NaN out
@@ -280,8 +298,9 @@ def _online_softmax(s, nb, m, denom, acc):
 
 
 @njit(cache=True, fastmath=_config.FASTMATH)
-def _accumulate(s, vb, acc, c0):
-    """acc[r] += sum over j of s[r, c0 + j] * vb[j], for every query row r of the block.
+def _accumulate(s, vb, acc, c0, kind=-1):
+    """acc[r] += sum over j of s[r, c0 + j] * vb[j], for every query row r of the block
+    (``vb`` may be 16-bit bits, widened as loaded, as in :func:`_scores`).
 
     Four rows by four positions at a time: each V row loaded is used by four rows and each
     accumulator loaded is updated by four positions, so loads and stores per FMA drop
@@ -303,7 +322,12 @@ def _accumulate(s, vb, acc, c0):
             for d in range(dim):
                 # four running sums, each a chain of fused multiply-adds (as one
                 # expression per row, 18% slower at 128 rows: a multiply and an add more)
-                x0, x1, x2, x3 = v0[d], v1[d], v2[d], v3[d]
+                x0, x1, x2, x3 = (
+                    _val(v0[d], kind),
+                    _val(v1[d], kind),
+                    _val(v2[d], kind),
+                    _val(v3[d], kind),
+                )
                 t0, t1, t2, t3 = a0[d], a1[d], a2[d], a3[d]
                 t0 += w00 * x0
                 t1 += w10 * x0
@@ -327,7 +351,7 @@ def _accumulate(s, vb, acc, c0):
             v0 = vb[j]
             w00, w10, w20, w30 = s0[c0 + j], s1[c0 + j], s2[c0 + j], s3[c0 + j]
             for d in range(dim):
-                x0 = v0[d]
+                x0 = _val(v0[d], kind)
                 a0[d] += w00 * x0
                 a1[d] += w10 * x0
                 a2[d] += w20 * x0
@@ -339,7 +363,7 @@ def _accumulate(s, vb, acc, c0):
         for j in range(nb):
             w00, v0 = s0[c0 + j], vb[j]
             for d in range(dim):
-                a0[d] += w00 * v0[d]
+                a0[d] += w00 * _val(v0[d], kind)
         r += 1
 
 

@@ -30,12 +30,12 @@ same in NumPy (``quantize_groups``), and the tests compare codes exactly.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, prange
 from numba.core import types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from .cpu_attention import _BLOCK, _accumulate, _mask, _online_softmax, _rows, _scores
+from .cpu_math import bits32, kind16, widen16
 
 __all__ = [
     "quant_append",
@@ -46,23 +46,11 @@ __all__ = [
 ]
 
 
-@intrinsic
-def _bits32(typingctx, x):
-    """The IEEE bits of a float32, as a uint32 (a bit cast: no conversion)."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
-
-
 @njit(cache=True)
 def narrow16(x, kind):
     """float32 ``x`` rounded to the nearest 16-bit float (ties to even), as its bits:
     float16 (``kind`` 0) or bfloat16 (``kind`` 1). Values past float16's range give inf."""
-    u = np.uint32(_bits32(np.float32(x)))
+    u = np.uint32(bits32(np.float32(x)))
     if kind == 1:  # bfloat16: the upper half, rounded on the lower (NaN kept a NaN)
         if (u & 0x7FFFFFFF) > 0x7F800000:
             return np.uint16((u >> 16) | 0x40)
@@ -94,7 +82,8 @@ def narrow16(x, kind):
 
 
 def _widen_row(src, table, dst):
-    """dst[d] = src[d] as float32 (16-bit bits widened by ``table``). By the overload."""
+    """dst[d] = src[d] as float32 (16-bit bits widened as ``table``'s format says). By the
+    overload."""
     raise NotImplementedError  # pragma: no cover - only called from compiled code
 
 
@@ -103,8 +92,9 @@ def _widen_row_impl(src, table, dst):
     if src.dtype == types.uint16:
 
         def widen(src, table, dst):
+            kind = kind16(table)  # the CPU's float16 conversion, or bfloat16's shift
             for d in range(src.shape[0]):
-                dst[d] = table[src[d]]
+                dst[d] = widen16(src[d], kind)
 
         return widen
 
