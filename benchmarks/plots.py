@@ -233,11 +233,84 @@ def plot_quantized(data: dict, ax: Any = None) -> Any:
     return fig
 
 
+def _bars(ax: Any, groups: list[str], series: dict[str, list]) -> None:
+    """Grouped bars: one group per label in ``groups``, one bar per series (None: none)."""
+    width = 0.8 / max(len(series), 1)
+    for i, (name, values) in enumerate(series.items()):
+        pts = [(j, v) for j, v in enumerate(values) if v is not None]
+        xs = [j + (i - (len(series) - 1) / 2) * width for j, _ in pts]
+        ax.bar(xs, [v for _, v in pts], width, label=name, color=f"C{i % 10}")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, fontsize=8)
+    ax.grid(axis="y", which="both", alpha=0.25)
+
+
+def _series(results: dict, key: str) -> dict[str, list]:
+    """method -> its ``key`` in each case of ``results`` (None where it did not run)."""
+    return {
+        n: [r["methods"].get(n, {}).get(key) for r in results.values()] for n in _methods(results)
+    }
+
+
+def plot_cuda(data: dict, ax: Any = None) -> Any:
+    """bench_cuda.py: decode attention GB/s of K+V read per case and method (device time,
+    CUDA events); with no ``ax``, two more panels: append GB/s (read + written, log scale)
+    and host microseconds of a decode step per backend. A run that was skipped (no GPU)
+    draws a figure that says so and nothing else."""
+    results = data.get("results") or {}
+    if data.get("skipped") or not results:
+        fig, ax = _new_axes(ax, (6, 2))
+        why = data.get("skipped") or "no results"
+        ax.text(0.5, 0.5, f"CUDA benchmark skipped: {why}\nnothing was measured",
+                ha="center", va="center", fontsize=9, wrap=True)  # fmt: skip
+        ax.set_axis_off()
+        return fig
+    if ax is None:
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(16, 5), layout="constrained")
+        ax, ax_app, ax_host = fig.subplots(1, 3, width_ratios=[2.2, 1, 1])
+    else:
+        fig, ax_app, ax_host = ax.figure, None, None
+    cases = results.get("attention", {}).get("cases", {})
+    _bars(ax, [c.replace(" ", "\n") for c in cases], _series(cases, "gb_per_s"))
+    ax.set_ylabel("GB/s of K+V read (8 KV heads) per median device time")
+    ax.set_title(
+        "Decode attention on the GPU, 32 query / 8 KV heads, head_dim 128 (higher is faster)\n"
+        f"{data.get('machine', {}).get('gpu', {}).get('name', '?')}; " + machine_line(data),
+        fontsize=9,
+    )
+    ax.legend(fontsize=7)
+    appends = results.get("append", {})
+    if ax_app is not None and appends:
+        labels = [f"{n} position{'s' * (n != '1')}" for n in appends]
+        _bars(ax_app, labels, _series(appends, "gb_per_s"))
+        ax_app.set_yscale("log")
+        ax_app.set_ylabel("GB/s (read + written) per median device time")
+        shape = next(iter(appends.values()))["case"]["cache_shape"]
+        ax_app.set_title(f"Append into {shape} float16, K and V", fontsize=9)
+        ax_app.legend(fontsize=7)
+    host = results.get("host", {})
+    if ax_host is not None and host:
+        calls = _methods(host)
+        per_backend = {
+            b: [r["methods"].get(c, {}).get("host_us") for c in calls] for b, r in host.items()
+        }
+        _bars(ax_host, [c.replace(" + ", "\n+ ") for c in calls], per_backend)
+        ax_host.axhline(10.0, color="0.2", linewidth=0.8, linestyle="--", label="target (CUDA)")
+        ax_host.set_yscale("log")
+        ax_host.set_ylabel("host us per call (median)")
+        ax_host.set_title("One decode step of one layer, 1,024 positions", fontsize=9)
+        ax_host.legend(fontsize=7)
+    return fig
+
+
 # benchmark name (bench_<name>.py) -> the function drawing its figure
 PLOTTERS: dict[str, Callable[..., Any]] = {
     "append": plot_append,
     "attention": plot_attention,
     "quantized": plot_quantized,
+    "cuda": plot_cuda,
 }
 
 

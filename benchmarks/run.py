@@ -265,10 +265,16 @@ def run_one(
     }
     if problem is not None:
         entry["problem"] = problem
+    skipped = _skipped(json_path) if problem is None else None
+    if skipped is not None:  # nothing measured here (bench_cuda.py without a GPU): no
+        # result files are left to pass for measurements
+        entry.update(skipped=skipped, json=None, stdout=None)
+        json_path.unlink(missing_ok=True)
+        txt_path.unlink(missing_ok=True)
     if err.strip():
         entry["stderr_tail"] = err[-4000:]
     if entry["ok"]:
-        status = "ok"
+        status = "ok" if skipped is None else f"skipped ({skipped})"
     elif code:
         status = f"FAILED (exit {code})" + (f"; {problem}" if problem else "")
     else:
@@ -278,11 +284,20 @@ def run_one(
         tail = (err.strip() or txt_path.read_text().strip()).splitlines()[-15:]
         for line in tail:
             progress._line(f"    {line}")
-    else:  # the targets each script states, PASS / MISS / SKIP
+    elif skipped is None:  # the targets each script states, PASS / MISS / SKIP
         for line in txt_path.read_text().splitlines():
             if line.startswith(("PASS ", "MISS ", "SKIP ")):
                 progress._line(f"    {line}")
     return entry
+
+
+def _skipped(json_path: Path) -> str | None:
+    """The reason a benchmark's JSON gives for having measured nothing, or None."""
+    try:
+        why = json.loads(json_path.read_text()).get("skipped")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(why) if why else None
 
 
 def draw_plots(out: Path, names: list[str] | None, stream: TextIO) -> tuple[list[str], bool]:
@@ -304,6 +319,8 @@ def draw_plots(out: Path, names: list[str] | None, stream: TextIO) -> tuple[list
             continue
         for path in sorted(out.glob(f"{name}-*.json")):
             png = path.with_suffix(".png")
+            if _skipped(path) is not None:
+                continue  # nothing was measured: no figure
             try:
                 plots.save(plot(json.loads(path.read_text())), png)
             except Exception as err:  # report it, draw the others, fail at the end

@@ -263,3 +263,103 @@ def test_python_dash_m_benchmarks_help():
     )
     for option in ("--quick", "--only", "--out", "--plots-only", "--bench-dir"):
         assert option in done.stdout
+
+
+# bench_cuda.py and gpu.sh (no GPU here: they must skip, or run on the simulator) -------
+
+BENCH_CUDA = ROOT / "benchmarks" / "bench_cuda.py"
+GPU_SH = ROOT / "benchmarks" / "gpu.sh"
+
+
+def _bench_cuda(args: list[str], simulator: bool, timeout: float = 300):
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    if simulator:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+    return subprocess.run(
+        [sys.executable, str(BENCH_CUDA), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.parametrize("simulator", [True, False], ids=["simulator", "no-gpu"])
+def test_bench_cuda_skips_cleanly_without_a_gpu(tmp_path, simulator):
+    if not simulator and run.machine_tag() != "cpu":
+        pytest.skip("a CUDA GPU is present: the plain run would time it")
+    out = tmp_path / "cuda.json"
+    done = _bench_cuda(["--quick", "--json", str(out)], simulator)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("skipped: no CUDA device (")
+    assert ("simulator" in done.stdout) is simulator
+    data = json.loads(out.read_text())
+    assert data["skipped"] and data["results"] == {} and data["targets"] == []
+    assert run._json_problem(out) is None  # a record the suite runner takes
+    fig = plots.PLOTTERS["cuda"](data)  # a figure that says so, and nothing else
+    assert "skipped" in fig.axes[0].texts[0].get_text()
+
+
+def test_suite_runs_bench_cuda_as_skipped_without_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")  # for the child: never a real GPU
+    log = io.StringIO()
+    argv = ["--only", "cuda", "--quick", "--out", str(tmp_path), "--tag", "t"]
+    assert run.main(argv, stream=log) == 0, log.getvalue()
+    entry = json.loads((tmp_path / "index.json").read_text())["benchmarks"]["cuda-t"]
+    assert entry["ok"] and entry["skipped"]  # the reason bench_cuda.py gave
+    # nothing measured: no result files or figure left to pass for measurements
+    assert entry["json"] is None and not list(tmp_path.glob("cuda-t.*"))
+    assert "skipped (" in log.getvalue()
+
+
+def test_bench_cuda_dry_run_on_the_simulator_checks_and_reports_every_part(tmp_path):
+    # every code path of the GPU run at tiny sizes on the simulator (torch on the CPU):
+    # what a lent GPU would meet first, short of its speed
+    import importlib.util
+
+    out = tmp_path / "cuda.json"
+    done = _bench_cuda(["--dry-run", "--json", str(out)], simulator=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "DRY RUN" in done.stdout and "WRONG" not in done.stdout
+    data = json.loads(out.read_text())
+    assert data["dry_run"] and data["errors"] == {}
+    results = data["results"]
+    assert set(results) == {"append", "attention", "host"}
+    for case in results["append"].values():
+        assert {"nbkv API", "nbkv kernel", "device copy"} <= set(case["methods"])
+    for case in results["attention"]["cases"].values():
+        names = set(case["methods"])
+        assert {"nbkv", "nbkv (allocating)"} <= names
+        if importlib.util.find_spec("torch") is not None:
+            assert case["case"]["torch_peer"] in names
+    assert set(results["host"]) == {"cpu", "cuda"}
+    assert all(t["pass"] is None for t in data["targets"])  # a dry run claims nothing
+    assert _is_png(plots.save(plots.plot_cuda(data), tmp_path / "cuda.png"))
+
+
+def test_gpu_sh_parses_and_keeps_to_its_budget(tmp_path):
+    import os
+    import subprocess
+
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    subprocess.run([bash, "-n", str(GPU_SH)], check=True)
+    env = dict(os.environ, OUT=str(tmp_path), NBKV_GPU_BUDGET_S="10")
+    done = subprocess.run(
+        [bash, str(GPU_SH), "bench", "tests", "nonsense"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1  # nothing ran: too little budget, and an unknown stage
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "bench: SKIPPED" in summary and "tests: SKIPPED" in summary
+    assert "unknown stage 'nonsense'" in summary
