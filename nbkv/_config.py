@@ -3,9 +3,9 @@
 Two kinds:
 
 - *fixed at import* (``FASTMATH``, ``WARP``, ``ATTENTION_THREADS``, ``ATTENTION_ROWS``,
-  ``ATTENTION_MAX_HEAD_DIM``): Numba bakes them into the kernels when a kernel module is
-  first imported (they size shared and local arrays, or set floating-point flags), so
-  they cannot change afterwards;
+  ``ATTENTION_MAX_HEAD_DIM``, ``ATTENTION_MIN_BLOCKS_PER_SM``): Numba bakes them into
+  the kernels when a kernel module is first imported (they size shared and local
+  arrays, or set floating-point flags), so they cannot change afterwards;
 - *read per call* (everything else): the backends read them at every launch, so
   :func:`override_tunables` changes them for a block of code.
 
@@ -46,13 +46,24 @@ WARP = 32
 ATTENTION_THREADS = 32 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else 128
 ATTENTION_ROWS = 16
 ATTENTION_MAX_HEAD_DIM = 256
-# blocks per SM that flash-decoding aims for when it splits the sequence. Read per call.
-ATTENTION_BLOCKS_PER_SM = 4
+# CUDA attention: the resident blocks per SM each kernel is compiled to allow (its
+# launch bound: at most 65,536 / (ATTENTION_THREADS * this) registers a thread). Fixed.
+ATTENTION_MIN_BLOCKS_PER_SM = 4
+# blocks per SM that flash-decoding aims for when it splits the sequence; None: as many
+# as the kernel's occupancy allows (one full wave of resident blocks). Read per call.
+ATTENTION_BLOCKS_PER_SM = None
 # force the number of splits (to exercise or show the combine), of CUDA attention and of
 # the CPU's paged attention; None: automatic. Per call.
 ATTENTION_SPLITS = None
 
-_FIXED = ("FASTMATH", "WARP", "ATTENTION_THREADS", "ATTENTION_ROWS", "ATTENTION_MAX_HEAD_DIM")
+_FIXED = (
+    "FASTMATH",
+    "WARP",
+    "ATTENTION_THREADS",
+    "ATTENTION_ROWS",
+    "ATTENTION_MAX_HEAD_DIM",
+    "ATTENTION_MIN_BLOCKS_PER_SM",
+)
 _PER_CALL = (
     "ATTENTION_PARALLEL_MIN",
     "THREADS_PER_BLOCK",
@@ -60,6 +71,8 @@ _PER_CALL = (
     "ATTENTION_BLOCKS_PER_SM",
     "ATTENTION_SPLITS",
 )
+
+_OPTIONAL = ("ATTENTION_SPLITS", "ATTENTION_BLOCKS_PER_SM")  # None: automatic
 
 
 def tunables() -> dict[str, object]:
@@ -83,12 +96,12 @@ def _checked(name: str, value: object) -> object:
             f"override_tunables got an unknown tunable {name!r}; the ones read per call "
             f"are {', '.join(_PER_CALL)}"
         )
-    if value is None and name == "ATTENTION_SPLITS":
+    if value is None and name in _OPTIONAL:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(
             f"{name} must be a positive int"
-            + (" or None" if name == "ATTENTION_SPLITS" else "")
+            + (" or None" if name in _OPTIONAL else "")
             + f", got {type(value).__name__} {value!r}"
         )
     if not 1 <= value <= 2**31 - 1:

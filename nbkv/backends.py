@@ -41,7 +41,15 @@ from .errors import (
 )
 from .kernels import cpu as cpu_kernels
 from .kernels import cpu_attention
-from .launch import attention_grid, attention_scratch_shapes, launch_config
+from .launch import (
+    AttentionGrid,
+    append_config,
+    attention_grid,
+    attention_scratch_shapes,
+    launch_config,
+    resident_blocks,
+    wave_splits,
+)
 from .paged_backends import CPUPaged, CUDAPaged
 
 __all__ = ["DEVICES", "Backend", "get_backend", "to_host", "CPUBackend", "CUDABackend"]
@@ -271,10 +279,12 @@ class _CUDADevice:
         from numba.cuda.cudadrv.devicearray import is_cuda_ndarray
 
         from .kernels import cuda as cuda_kernels
+        from .kernels.cuda_vec import vector_width
 
         self.cuda = cuda
         self.is_device_array = is_cuda_ndarray
         self.kernels = cuda_kernels
+        self.vector_width = vector_width
         self._attention = None  # nbkv.kernels.cuda_attention, compiled on first use
         self.tables: dict[str, Any] = {}
         self._sms: int | None = None
@@ -313,6 +323,29 @@ class _CUDADevice:
         """Forget the scratch: a launch that failed may have left counters part-way, so
         the next launch must start from freshly zeroed ones."""
         self._local.arrays = None
+
+    def plans(self) -> dict:
+        """This thread's attention launch plans (:class:`_KernelPlan`), by signature."""
+        plans = getattr(self._local, "plans", None)
+        if plans is None or len(plans) > _MAX_PLANS:  # many shapes: start afresh
+            plans = self._local.plans = {}
+        return plans
+
+    def empty_table(self):
+        """The empty float32 array the attention kernels take as ``table`` (unread)."""
+        if "none" not in self.tables:
+            self.tables["none"] = self.cuda.to_device(np.empty(0, np.float32))
+        return self.tables["none"]
+
+    def dummy_scratch(self):
+        """Tiny arrays of the scratch's types, to type a kernel before its grid is known."""
+        if "scratch" not in self.tables:
+            self.tables["scratch"] = (
+                self.cuda.device_array((1,) * 5, np.float32),
+                self.cuda.device_array((1,) * 5, np.float32),
+                self.cuda.device_array((1, 1), np.int32),
+            )
+        return self.tables["scratch"]
 
 
 class CUDABackend(CUDAPaged):
@@ -391,13 +424,21 @@ class CUDABackend(CUDAPaged):
             host = x.copy_to_host()
         return host if dtype is None or host.dtype == dtype else host.view(dtype)
 
+    def _rows(self, arrays, pair: bool):
+        """The row-wise copy kernel for these arrays (the widest aligned vector) and its
+        launch configuration."""
+        x = arrays[0]
+        dim = int(x.shape[3])
+        vec = self._dev.vector_width(x.dtype.itemsize, dim, arrays)
+        kernel = self._dev.kernels.write_rows_kernel(vec, self._bshd, pair)
+        rows = int(x.shape[0]) * int(x.shape[1]) * int(x.shape[2])
+        return kernel[append_config(rows, dim, vec)]
+
     def write_kv(self, k, v, pos, k_cache, v_cache) -> None:
-        blocks, threads = launch_config(int(np.prod(k.shape)))
-        self._write_kv_kernel[blocks, threads](k, v, pos, k_cache, v_cache)
+        self._rows((k, v, k_cache, v_cache), True)(k, v, int(pos), k_cache, v_cache)
 
     def write_cache(self, x, pos, cache) -> None:
-        blocks, threads = launch_config(int(np.prod(x.shape)))
-        self._write_cache_kernel[blocks, threads](x, pos, cache)
+        self._rows((x, cache), False)(x, int(pos), cache)
 
     # -- attention (flash-decoding, nbkv.kernels.cuda_attention) -----------------------
 
@@ -433,7 +474,8 @@ class CUDABackend(CUDAPaged):
         return x.view(np.uint16)
 
     def attention_table(self, dtype: np.dtype):
-        """bfloat16's widening table on the device (cached); empty for other dtypes."""
+        """bfloat16's widening table on the device (cached); empty for other dtypes. The
+        paged kernels read it; the contiguous ones widen by a shift and take an empty one."""
         key = str(dtype) if dtype.itemsize == 2 and dtype.kind != "f" else "none"
         tables = self._dev.tables
         if key not in tables:
@@ -441,38 +483,142 @@ class CUDABackend(CUDAPaged):
             tables[key] = self._cuda.to_device(host)
         return tables[key]
 
-    def _launch(self, kernel, q, k_cache, span: int, args: tuple) -> None:
+    def _families(self, fused: bool):
+        attn = self._dev.attention_kernels()
+        if fused:
+            return attn.append_attend_bshd_kernel if self._bshd else attn.append_attend_kernel
+        return attn.attend_bshd_kernel if self._bshd else attn.attend_kernel
+
+    def attend(self, q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
+        span = _span(seq_len, q.shape[2], window)
+        head = (q, k_cache, v_cache, int(seq_len))
+        self._launch(False, head, q, k_cache, v_cache, span, scale, causal, window, out)
+
+    def append_attend(self, q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out):
+        span = _span(pos + k.shape[self.seq_axis], q.shape[2], window)
+        head = (q, k, v, int(pos), k_cache, v_cache)
+        self._launch(True, head, q, k_cache, v_cache, span, scale, causal, window, out)
+
+    def _launch(self, fused, head, q, k_cache, v_cache, span, scale, causal, window, out):
+        """Launch through this thread's cached plan for these arrays' signature (made on
+        first use: the specialised kernel, typed once, and per split count a configured
+        launch and its scratch); if the launch fails, forget that scratch."""
+        family = self._families(fused)
+        tail = (np.float32(scale), bool(causal), int(window), self._dev.empty_table())
+        if not hasattr(family, "specialise"):  # a stand-in for the kernels (tests)
+            self._launch_generic(family, q, k_cache, span, head + tail, out)
+            return
+        plans = self._dev.plans()
+        # what the kernel was typed for; the cache validated that v matches k and out q
+        key = (
+            family, q.shape, q.strides, q.dtype, k_cache.shape, k_cache.strides,
+            k_cache.dtype, v_cache.strides, out.strides, out.dtype,
+        )  # fmt: skip
+        if fused:
+            key += (head[1].shape, head[1].strides, head[2].strides)
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = _KernelPlan(self._dev, family, head, tail, out, self._bshd)
+        splits = plan.splits(span)
+        grid = plan.grids.get(splits)
+        if grid is None:
+            grid = plan.grid(splits)
+        launch, scratch = grid
+        try:
+            launch(*head, *tail, *scratch, out)
+        except BaseException:
+            plan.grids.clear()  # counters may be left part-way: fresh ones next time
+            raise
+
+    def _launch_generic(self, kernel, q, k_cache, span: int, args: tuple, out) -> None:
         """Size the grid and scratch, launch, and if anything fails, forget the scratch."""
         attn = self._dev.attention_kernels()
         batch, num_heads, n_q, dim = (int(x) for x in q.shape)
         kv_heads = int(k_cache.shape[self._kv_heads_axis])
         grid = attention_grid(
-            batch, num_heads, kv_heads, n_q, span, sm_count=self._dev.sm_count(), tile=attn.TILE
-        )
+            batch, num_heads, kv_heads, n_q, span, sm_count=self._dev.sm_count(),
+            tile=attn.TILE, rows=attn.rows_per_block(num_heads // kv_heads, n_q),
+        )  # fmt: skip
         part = self._dev.scratch(attention_scratch_shapes(grid, batch, num_heads, n_q, dim))
         try:
-            kernel[tuple(grid), attn.THREADS](*args[:-1], *part, args[-1])
+            kernel[tuple(grid), attn.THREADS](*args, *part, out)
         except BaseException:
             self._dev.drop_scratch()
             raise
 
-    def attend(self, q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
-        attn = self._dev.attention_kernels()
-        kernel = attn.attend_bshd_kernel if self._bshd else attn.attend_kernel
-        span = _span(seq_len, q.shape[2], window)
-        args = (q, k_cache, v_cache, seq_len, scale, causal, window, table, out)
-        self._launch(kernel, q, k_cache, span, args)
-
-    def append_attend(self, q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out):
-        attn = self._dev.attention_kernels()
-        kernel = attn.append_attend_bshd_kernel if self._bshd else attn.append_attend_kernel
-        span = _span(pos + k.shape[self.seq_axis], q.shape[2], window)
-        args = (q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out)
-        self._launch(kernel, q, k_cache, span, args)
-
     @staticmethod
     def finish_attention(result, out):
         return out
+
+
+_MAX_PLANS = 64  # launch plans a thread keeps before it starts afresh
+
+
+class _KernelPlan:
+    """One attention launch signature on one thread: the kernel specialised for it and
+    typed once (no type inference per call), the blocks one wave of it holds, and per
+    split count a configured launch with its scratch (``grids``)."""
+
+    def __init__(self, dev: _CUDADevice, family, head, tail, out, bshd: bool) -> None:
+        attn = dev.attention_kernels()
+        fused = family.fused
+        q, k_cache, v_cache = head[0], head[4 if fused else 1], head[5 if fused else 2]
+        self.spec = family.spec(q, k_cache, v_cache)
+        kernel = family.specialise(self.spec)
+        batch, num_heads, n_q, dim = (int(x) for x in q.shape)
+        kv_heads = int(k_cache.shape[2 if bshd else 1])
+        self.sizes = (batch, num_heads, n_q, dim)
+        self.tasks = batch * kv_heads
+        self.chunks = -(-(num_heads // kv_heads) * n_q // self.spec.rows)
+        self.sms = dev.sm_count()
+        self.threads, self.tile = attn.THREADS, attn.TILE
+        specialize = getattr(kernel, "specialize", None)  # the simulator has none
+        if specialize is not None:
+            kernel = specialize(*head, *tail, *dev.dummy_scratch(), out)
+        self.kernel = kernel
+        self.per_sm = self._occupancy(kernel, attn)
+        self._cuda = dev.cuda
+        self.grids: dict[int, tuple] = {}
+
+    def _occupancy(self, kernel, attn) -> int:
+        """Resident blocks per SM: the driver's figure for the compiled kernel on a GPU,
+        else from its shared memory and its launch bound's register cap."""
+        try:
+            compiled = next(iter(kernel.overloads.values()))
+            return max(1, compiled.max_cooperative_grid_blocks(self.threads) // self.sms)
+        except Exception:  # the simulator, or a driver without the query
+            cap = 65_536 // (self.threads * attn.min_blocks_per_sm(self.spec))
+            return resident_blocks(self.threads, registers=cap, shared=attn.shared_bytes(self.spec))
+
+    def splits(self, span: int) -> int:
+        """The split count for ``span`` visible positions (tunables read per call)."""
+        per_sm = _config.ATTENTION_BLOCKS_PER_SM
+        return wave_splits(
+            (self.per_sm if per_sm is None else per_sm) * self.sms,
+            self.tasks * self.chunks,
+            span,
+            self.tile,
+            _config.ATTENTION_SPLITS,
+        )
+
+    def grid(self, splits: int) -> tuple:
+        grid = AttentionGrid(splits, self.tasks, self.chunks)
+        acc, stats, counters = attention_scratch_shapes(grid, *self.sizes)
+        scratch = (
+            self._cuda.device_array(acc, np.float32),
+            self._cuda.device_array(stats, np.float32),
+            self._cuda.to_device(np.zeros(counters, np.int32)),  # zero before a launch
+        )
+        launch = self.kernel[tuple(grid), self.threads]
+        if launch is self.kernel:  # the simulator configures the kernel itself, in place:
+            # a launch kept for one split count would run with the last one configured
+            dims, threads, kernel = tuple(grid), self.threads, self.kernel
+
+            def launch(*args):
+                kernel[dims, threads](*args)
+
+        self.grids[splits] = entry = (launch, scratch)
+        return entry
 
 
 _BACKENDS: dict[tuple[str, str], Backend] = {}

@@ -9,7 +9,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import nbkv
-from nbkv.launch import AttentionGrid, attention_grid, attention_scratch_shapes, launch_config
+from nbkv.launch import (
+    AttentionGrid,
+    append_config,
+    attention_grid,
+    attention_scratch_shapes,
+    launch_config,
+    resident_blocks,
+    wave_splits,
+)
 
 
 def test_launch_config_fills_warps_and_caps_the_grid():
@@ -25,8 +33,9 @@ def test_launch_config_fills_warps_and_caps_the_grid():
     [
         ((1, 32, 8, 1, 512), (4, 8, 1)),  # 4 tiles of 128: no more splits than tiles
         ((1, 32, 8, 1, 32768), (66, 8, 1)),  # 528 blocks: 4 per SM of 132
-        ((8, 32, 8, 1, 32768), (9, 64, 1)),
-        ((64, 32, 8, 1, 4096), (2, 512, 1)),
+        ((8, 32, 8, 1, 32768), (8, 64, 1)),  # 512 of 528 slots, not 576 (a second wave)
+        ((16, 32, 8, 1, 32768), (4, 128, 1)),  # 512, not 640 for 528 slots
+        ((64, 32, 8, 1, 4096), (1, 512, 1)),
         ((1, 32, 8, 5, 4096), (32, 8, 2)),  # 4 x 5 query rows: two chunks of 16, 32 tiles
     ],
 )
@@ -56,8 +65,41 @@ def test_any_grid_covers_the_work_without_empty_splits(
     assert 1 <= g.splits <= span  # a split of no position would divide by nothing
     if forced is None:
         assert g.splits <= math.ceil(span / tile)
+        # one wave: never more blocks than resident slots, unless one split each is more
+        assert g.blocks <= max(4 * sms, g.tasks * g.chunks)
     else:
         assert g.splits == min(forced, span)
+
+
+@pytest.mark.parametrize(
+    "threads, registers, shared, want",
+    [
+        (128, 111, 39_012, 4),  # the main decode kernel: registers allow 4, shared 5
+        (128, 64, 39_012, 5),  # then shared memory is the limit
+        (128, 32, 1_000, 16),  # then threads (2048 per SM)
+        (32, 16, 100, 32),  # then the 32-block cap
+        (1024, 255, 48_000, 1),  # at least 1
+    ],
+)
+def test_resident_blocks_take_the_tightest_limit(threads, registers, shared, want):
+    assert resident_blocks(threads, registers=registers, shared=shared) == want
+
+
+def test_wave_splits_fill_one_wave_and_follow_a_forced_count():
+    assert wave_splits(528, 8, 32768, 128) == 66
+    assert wave_splits(528, 128, 32768, 128) == 4
+    assert wave_splits(528, 1000, 32768, 128) == 1  # more work than slots: one split each
+    assert wave_splits(528, 8, 300, 128) == 3  # no more splits than tiles
+    assert wave_splits(528, 8, 300, 128, forced=7) == 7
+    assert wave_splits(528, 8, 5, 128, forced=7) == 5  # never a split of no position
+
+
+def test_append_config_covers_a_row_with_power_of_two_lanes():
+    assert append_config(8, 128, 8) == (1, (16, 16))
+    assert append_config(8 * 8192, 128, 8) == (4096, (16, 16))
+    assert append_config(3, 3, 1) == (1, (4, 64))
+    blocks, (lanes, rows) = append_config(10**9, 256, 1)
+    assert blocks == nbkv.tunables()["MAX_BLOCKS"] and lanes * rows == 256
 
 
 def test_scratch_shapes_follow_the_grid():

@@ -39,17 +39,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from .cuda_attention import (
-    _ACC_SIZE,
-    _DIMS_PER_THREAD,
-    _NEG_INF,
-    MAX_HEAD_DIM,
-    ROWS,
-    THREADS,
-    TILE,
-    _tile_softmax,
-    _widen,
-)
+from .cuda_attention import MAX_HEAD_DIM, ROWS, THREADS, TILE
 
 __all__ = [
     "write_paged_kernel",
@@ -61,6 +51,52 @@ __all__ = [
     "paged_append_attend_hnd_kernel",
     "paged_scratch_shapes",
 ]
+
+# the per-row arrays of these kernels are sized for the most rows and dimensions (they
+# are not specialised like nbkv.kernels.cuda_attention's)
+_DIMS_PER_THREAD = -(-MAX_HEAD_DIM // THREADS)
+_ACC_SIZE = ROWS * _DIMS_PER_THREAD  # local arrays need a constant size
+_NEG_INF = -math.inf
+
+
+@cuda.jit(device=True, inline=True)
+def _widen(x, table):
+    """A stored value as float32: 16-bit bit patterns through ``table``, floats by cast."""
+    if table.shape[0] == 0:
+        return np.float32(x)
+    return table[np.int32(x)]
+
+
+@cuda.jit(device=True, inline=True)
+def _tile_softmax(s, m, den, corr, t):
+    """Step 2 of a tile, for query row ``t``: raise its running maximum ``m[t]`` to the
+    tile's, rescale its sum ``den[t]`` (the factor left in ``corr[t]`` for the
+    accumulators) and turn its scores ``s[t, :]`` into weights. A row with nothing finite
+    in the tile gets weights 0 (and NaN throughout if a score was NaN)."""
+    tile_max = _NEG_INF
+    for i in range(TILE):
+        tile_max = max(tile_max, s[t, i])
+    if tile_max == _NEG_INF:  # nothing finite in this row of the tile
+        poisoned = False
+        for i in range(TILE):
+            poisoned = poisoned or s[t, i] != s[t, i]
+            s[t, i] = 0.0
+        corr[t] = 1.0
+        if poisoned:  # a NaN score (max() drops NaN): the row's output is NaN
+            m[t] = math.nan
+            den[t] = math.nan
+            corr[t] = math.nan
+    else:
+        m_new = max(m[t], tile_max)
+        c = math.exp(m[t] - m_new)  # exp(-inf) = 0 on the first tile
+        total = den[t] * c
+        for i in range(TILE):
+            w = math.exp(s[t, i] - m_new)
+            s[t, i] = w
+            total += w
+        den[t] = total
+        m[t] = m_new
+        corr[t] = c
 
 
 def paged_scratch_shapes(total: int, num_heads: int, head_dim: int, grid) -> tuple:
