@@ -132,7 +132,8 @@ def plot_attention(data: dict, ax: Any = None) -> Any:
             linewidth=2.2 if nbkv else 1.3,
             markersize=5 if nbkv else 4,
             color=f"C{i % 10}",
-            label=name,
+            # a 16-bit cache's GB/s are of its own bytes, half a float32 cache's
+            label=name + (" (GB/s of half the bytes)" if "16 kernel" in name else ""),
         )
         if name == "nbkv API":
             for s, m in pts:
