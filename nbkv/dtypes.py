@@ -88,8 +88,10 @@ def _table(name: str) -> np.ndarray:
 def widen_table(dtype: np.dtype) -> np.ndarray:
     """float32 value of every 16-bit pattern of ``dtype`` (float16 or bfloat16).
 
-    Kernels read 16-bit K/V as ``uint16`` and widen each value with one lookup,
-    ``table[bits]``; the table (256 KiB) stays in the CPU's caches. For other dtypes an
+    Kernels take it as their ``table`` argument. The attention kernels read it only to
+    tell the two formats apart (``table[0x3C00]`` is 1.0 for float16) and widen each value
+    as they load it, by the CPU's float16 conversion or bfloat16's 16-bit shift; the
+    quantized and paged kernels look up their 16-bit scales in it. For other dtypes an
     empty table, which kernels never read.
     """
     if dtype.itemsize != 2:
