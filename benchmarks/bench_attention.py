@@ -356,6 +356,26 @@ def time_methods(methods, copies, rounds, rng):
     return times, waited, spin, r - WARMUP_ROUNDS, other_cpus
 
 
+def figures(times, waited, rounds) -> tuple[np.ndarray, np.ndarray, float, dict]:
+    """One method's timed calls (ns) as figures: the calls during which none of our
+    threads waited for a CPU, when there are enough of them, otherwise every call.
+    Returns (all times, which were quiet, the median in ns, the figures' dict)."""
+    t_all = np.asarray(times, dtype=np.float64)  # ns per call
+    quiet = np.asarray(waited) <= WAIT_SHARE * t_all
+    enough = quiet.sum() >= MIN_QUIET_SHARE * rounds
+    t = t_all[quiet] if enough else t_all
+    med = float(np.median(t))
+    out = {
+        "us": med / 1e3,
+        "us_p10": float(np.percentile(t, 10)) / 1e3,
+        "us_p90": float(np.percentile(t, 90)) / 1e3,
+        "calls": len(t),
+        "undisturbed_only": bool(enough),
+        "calls_timed": len(t_all),
+    }
+    return t_all, quiet, med, out
+
+
 def bench_size(seq_len, rounds, rng):
     t_start = time.perf_counter()
     shape = (BATCH, KV_HEADS, seq_len, HEAD_DIM)
@@ -374,27 +394,19 @@ def bench_size(seq_len, rounds, rng):
     times, waited, spin, r, other_cpus = time_methods(methods, copies, rounds, rng)
     res = {}
     for name in names:
-        t_all = np.asarray(times[name], dtype=np.float64)  # ns per call
-        quiet = np.asarray(waited[name]) <= WAIT_SHARE * t_all
-        # the figures: calls during which none of our threads waited for a CPU, when
-        # there are enough of them; otherwise every call
-        enough = quiet.sum() >= MIN_QUIET_SHARE * rounds
-        t = t_all[quiet] if enough else t_all
-        med = float(np.median(t))
-        res[name] = {
-            "us": med / 1e3,
-            "us_p10": float(np.percentile(t, 10)) / 1e3,
-            "us_p90": float(np.percentile(t, 90)) / 1e3,
+        t_all, quiet, med, res[name] = figures(times[name], waited[name], rounds)
+        res[name].update(
             # bytes per ns = GB/s; 16-bit caches hold half the bytes
-            "gb_per_s": (nbytes // 2 if methods[name][0] == "attention16" else nbytes) / med,
-            "calls": len(t),
-            "undisturbed_only": bool(enough),
-            "calls_timed": len(t_all),
-            "disturbed_share": float(1.0 - quiet.mean()),
-            "us_all_calls": float(np.median(t_all)) / 1e3,
-            "us_all_p90": float(np.percentile(t_all, 90)) / 1e3,
-            "threads_busy_after_ms": float(np.median(spin[name])) * 1e3,
-        }
+            gb_per_s=(nbytes // 2 if methods[name][0] == "attention16" else nbytes) / med,
+        )
+        res[name].update(
+            {
+                "disturbed_share": float(1.0 - quiet.mean()),
+                "us_all_calls": float(np.median(t_all)) / 1e3,
+                "us_all_p90": float(np.percentile(t_all, 90)) / 1e3,
+                "threads_busy_after_ms": float(np.median(spin[name])) * 1e3,
+            }
+        )
     ceiling = res["read ceiling"]["us"]
     peer = None
     if torch is not None:
@@ -469,20 +481,8 @@ def bench_prefill(rounds, rng, n_q=PREFILL_Q, seq_len=PREFILL_SEQ):
     flop = 4 * BATCH * HEADS * visible * HEAD_DIM
     res = {}
     for name in methods:
-        t_all = np.asarray(times[name], dtype=np.float64)
-        quiet = np.asarray(waited[name]) <= WAIT_SHARE * t_all
-        enough = quiet.sum() >= MIN_QUIET_SHARE * rounds
-        t = t_all[quiet] if enough else t_all
-        med = float(np.median(t))
-        res[name] = {
-            "us": med / 1e3,
-            "us_p10": float(np.percentile(t, 10)) / 1e3,
-            "us_p90": float(np.percentile(t, 90)) / 1e3,
-            "gflop_per_s": flop / med,
-            "calls": len(t),
-            "calls_timed": len(t_all),
-            "undisturbed_only": bool(enough),
-        }
+        _t_all, _quiet, med, res[name] = figures(times[name], waited[name], rounds)
+        res[name]["gflop_per_s"] = flop / med
     peer = None
     if torch is not None:
         peer = min(("torch SDPA gqa", "torch SDPA grp"), key=lambda n: res[n]["us"])
