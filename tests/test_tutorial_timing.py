@@ -88,6 +88,48 @@ def test_torch_grouped_attention_matches_the_reference(rng):
     np.testing.assert_allclose(got, nbkv.reference.attention(q, K, V), atol=1e-5)
 
 
+@pytest.mark.parametrize("n_q, seq_len", [(1, 21), (5, 21), (21, 21)])
+def test_torch_grouped_attention_with_the_causal_mask_matches_the_reference(rng, n_q, seq_len):
+    torch = pytest.importorskip("torch")
+    q = rng.standard_normal((1, 8, n_q, 16)).astype(np.float32)
+    K = rng.standard_normal((1, 2, seq_len, 16)).astype(np.float32)
+    V = rng.standard_normal(K.shape).astype(np.float32)
+    mask = timing.causal_mask(n_q, seq_len, group=4)
+    got = timing.torch_grouped_attention(*(torch.from_numpy(x) for x in (q, K, V)), mask=mask)
+    np.testing.assert_allclose(got.numpy(), nbkv.reference.attention(q, K, V), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "n_q, seq_len, causal", [(1, 9, True), (3, 9, True), (9, 9, True), (4, 9, False)]
+)
+def test_attention_flops_count_the_visible_pairs(n_q, seq_len, causal):
+    first = seq_len - n_q
+    mask = np.arange(seq_len)[None, :] <= np.arange(first, seq_len)[:, None]
+    pairs = int(mask.sum()) if causal else n_q * seq_len
+    got = timing.attention_flops(n_q, seq_len, heads=6, head_dim=10, batch=2, causal=causal)
+    assert got == 2 * 6 * pairs * 4 * 10
+
+
+def test_attention_bytes_read_kv_once_per_kv_head():
+    got = timing.attention_bytes(1, 100, heads=32, kv_heads=8, head_dim=128, itemsize=2)
+    assert got == 2 * 8 * 100 * 128 * 2 + 2 * 32 * 128 * 2
+    # decode at group 4 in float32: about 2 FLOP per byte, whatever the context length
+    for seq_len in (1024, 32768):
+        flop = timing.attention_flops(1, seq_len, heads=32, head_dim=128)
+        nbytes = timing.attention_bytes(1, seq_len, heads=32, kv_heads=8, head_dim=128)
+        assert flop / nbytes == pytest.approx(2.0, rel=0.01)
+
+
+def test_roofline_is_bandwidth_times_intensity_up_to_the_peak():
+    got = timing.roofline([0.5, 2.0, 100.0], peak_gflops=50.0, bandwidth_gbs=10.0)
+    np.testing.assert_allclose(got, [5.0, 20.0, 50.0])
+
+
+def test_peak_flops_probe_returns_a_finite_positive_rate():
+    gflops = timing.peak_flops(64, repeats=2)
+    assert math.isfinite(gflops) and gflops > 0
+
+
 def test_jit_first_call_reports_the_three_times_from_a_child_process(tmp_path):
     r = timing.jit_first_call(str(tmp_path), heads=4, kv_heads=2, head_dim=8)
     assert set(r) == {"import_s", "first_call_s", "second_call_s"}

@@ -37,8 +37,13 @@ __all__ = [
     "read_sum",
     "read_bandwidth",
     "copy_bandwidth",
+    "peak_flops",
+    "attention_flops",
+    "attention_bytes",
+    "roofline",
     "numpy_grouped_attention",
     "torch_grouped_attention",
+    "causal_mask",
     "jit_first_call",
 ]
 
@@ -214,6 +219,75 @@ def copy_bandwidth(nbytes: int = 256 << 20, *, repeats: int = 5) -> float:
     return gb_per_s(2 * src.nbytes, t.median_s)
 
 
+def peak_flops(n: int = 1024, *, repeats: int = 5) -> float:
+    """Measured float32 compute ceiling in GFLOP/s: a ``n x n`` matrix product through BLAS.
+
+    A tuned matrix multiply (OpenBLAS or MKL behind NumPy's ``@``) is the fastest arithmetic
+    a program on this machine can do: it keeps the vector units fed from registers and
+    caches, within a few percent of the cores' peak. Counted as ``2 n^3`` FLOP (a multiply
+    and an add per term). The number of threads is whatever NumPy's BLAS is allowed
+    (``threadpoolctl.threadpool_limits``).
+    """
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    out = np.empty_like(a)
+    t = time_call(lambda: np.matmul(a, b, out=out), repeats=repeats, warmup=2)
+    return 2.0 * n**3 / t.median_s / GB
+
+
+def _visible_pairs(n_q: int, seq_len: int, causal: bool) -> int:
+    """(query, position) pairs attention computes when the queries are the last ``n_q``
+    of ``seq_len`` positions: each sees the positions up to its own when ``causal``."""
+    if not causal:
+        return n_q * seq_len
+    first = seq_len - n_q
+    return n_q * (first + 1) + n_q * (n_q - 1) // 2
+
+
+def attention_flops(
+    n_q: int, seq_len: int, *, heads: int, head_dim: int, batch: int = 1, causal: bool = True
+) -> int:
+    """FLOPs of attention for ``n_q`` queries per head over ``seq_len`` cached positions.
+
+    Each visible (query, position) pair costs ``2 * head_dim`` for its score (``q . k``) and
+    ``2 * head_dim`` for its share of the output (``p * v``): ``4 * head_dim`` per pair and
+    query head. The softmax's ``exp`` and sums are not counted (a few FLOP per pair, not
+    per dimension). With ``causal`` the queries are the last ``n_q`` positions (a decode
+    step has ``n_q = 1``; a prefill chunk appends ``n_q`` positions then attends).
+    """
+    return 4 * batch * heads * head_dim * _visible_pairs(n_q, seq_len, causal)
+
+
+def attention_bytes(
+    n_q: int,
+    seq_len: int,
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    itemsize: int = 4,
+    batch: int = 1,
+) -> int:
+    """The least bytes attention must move: every cached K and V row read once, the queries
+    read and the output written once. Grouped-query heads share their KV head's rows, so
+    K/V are counted per KV head, not per query head."""
+    kv = 2 * batch * kv_heads * seq_len * head_dim * itemsize
+    q_and_out = 2 * batch * heads * n_q * head_dim * itemsize
+    return kv + q_and_out
+
+
+def roofline(intensity, peak_gflops: float, bandwidth_gbs: float):
+    """The roofline model's attainable GFLOP/s at ``intensity`` FLOP per byte.
+
+    A kernel that does ``I`` FLOP per byte it moves can run no faster than the memory
+    delivers bytes (``bandwidth * I``) nor faster than the arithmetic units (``peak``):
+    ``min(peak, bandwidth * I)``. The two roofs meet at the ridge point
+    ``peak / bandwidth``; left of it a kernel is memory-bound, right of it compute-bound.
+    """
+    return np.minimum(peak_gflops, bandwidth_gbs * np.asarray(intensity, dtype=np.float64))
+
+
 def numpy_grouped_attention(q, K, V, scale: float | None = None) -> np.ndarray:
     """Decode attention in plain NumPy, as a user would write it: the NumPy peer.
 
@@ -231,18 +305,31 @@ def numpy_grouped_attention(q, K, V, scale: float | None = None) -> np.ndarray:
     return (w @ V).reshape(b, hq, n_q, d)
 
 
-def torch_grouped_attention(q, K, V):
+def torch_grouped_attention(q, K, V, mask=None):
     """``scaled_dot_product_attention`` with the query heads grouped: the torch peer.
 
-    q: torch tensor [batch, num_heads, 1, head_dim]; K, V: [batch, num_kv_heads, seq_len,
+    q: torch tensor [batch, num_heads, n_q, head_dim]; K, V: [batch, num_kv_heads, seq_len,
     head_dim]. The group's query heads become query rows of their KV head, so K/V are not
-    repeated (faster on the CPU than ``enable_gqa=True``). Decode only (no mask).
+    repeated (faster on the CPU than ``enable_gqa=True``). With ``n_q == 1`` (a decode
+    step) no mask is needed; for a prefill chunk pass ``mask=causal_mask(n_q, seq_len,
+    group)`` (torch's own ``is_causal`` aligns queries with the *first* positions).
     """
     import torch.nn.functional as F
 
     b, hq, n_q, d = q.shape
     qg = q.reshape(b, K.shape[1], hq // K.shape[1] * n_q, d)
-    return F.scaled_dot_product_attention(qg, K, V).reshape(b, hq, n_q, d)
+    return F.scaled_dot_product_attention(qg, K, V, attn_mask=mask).reshape(b, hq, n_q, d)
+
+
+def causal_mask(n_q: int, seq_len: int, group: int):
+    """Boolean torch mask for :func:`torch_grouped_attention`: the ``n_q`` queries are the
+    last positions of ``seq_len`` and each sees the positions up to its own; rows repeat for
+    the ``group`` query heads of a KV head (row ``g * n_q + i`` is member ``g``'s query ``i``)."""
+    import torch
+
+    first = seq_len - n_q
+    mask = torch.arange(seq_len)[None, :] <= torch.arange(first, seq_len)[:, None]
+    return mask.repeat(group, 1)
 
 
 _PROBE = """
