@@ -3,10 +3,12 @@
 :func:`attention_maps` runs a Llama forward pass over a prompt in plain NumPy, from its
 Hugging Face-named weights, keeping every layer's and head's softmax weights (the model
 itself never materialises them); :func:`head_patterns` scores each head against simple
-patterns of code (:data:`PATTERNS`): the previous byte and the one before, the first byte
-(an attention sink), the bracket a closing bracket closes, the innermost open bracket,
-the indentation, the newlines, and the bytes that followed earlier copies of the current
-one (what an induction head looks at).
+patterns of code (:data:`PATTERNS`): the current byte, the previous byte and the one
+before, the first byte (an attention sink), the bracket a closing bracket closes, the
+innermost open bracket, the byte in the same column of the line above, the indentation, the
+newlines, and the bytes that followed earlier copies of the current one (what an induction
+head looks at). :func:`sharpness` measures how concentrated each head's weights are (the
+largest weight and the entropy of each row), so that "sharp" and "broad" are numbers.
 
 >>> import numpy as np
 >>> from nbkv.models import Llama, default_weights
@@ -26,14 +28,16 @@ from numpy.typing import NDArray
 
 from ..errors import InvalidArgumentError, ShapeMismatchError
 
-__all__ = ["AttentionMaps", "attention_maps", "head_patterns", "PATTERNS"]
+__all__ = ["AttentionMaps", "Sharpness", "attention_maps", "head_patterns", "sharpness", "PATTERNS"]
 
 PATTERNS = (
+    "current byte",  # the query's own position
     "previous byte",
     "two bytes back",
     "first byte (sink)",
     "matching bracket",  # from a closing bracket, the bracket it closes
     "innermost open bracket",  # from inside brackets, the last one still open
+    "line above (same column)",  # the byte right above the query, one line up
     "indentation",  # the leading spaces of lines
     "newlines",
     "after an earlier copy (induction)",
@@ -113,6 +117,11 @@ def _targets(ids: np.ndarray, skip: int) -> dict[str, list[tuple[int, list[int]]
             stack.append(i)
         elif chr(b) in ")]}" and stack:
             pairs[i] = stack.pop()
+    line_start, starts = 0, []
+    for b in text:
+        starts.append(line_start)
+        if b == ord("\n"):
+            line_start = len(starts)
     leading, at_start = [], True
     for j, b in enumerate(text):
         if b == ord("\n"):
@@ -123,6 +132,7 @@ def _targets(ids: np.ndarray, skip: int) -> dict[str, list[tuple[int, list[int]]
             at_start = False
     out: dict[str, list[tuple[int, list[int]]]] = {name: [] for name in PATTERNS}
     for i in range(skip, n):
+        out["current byte"].append((i, [i]))
         out["previous byte"].append((i, [i - 1]))
         out["two bytes back"].append((i, [i - 2]))
         out["first byte (sink)"].append((i, [0]))
@@ -130,6 +140,10 @@ def _targets(ids: np.ndarray, skip: int) -> dict[str, list[tuple[int, list[int]]
             out["matching bracket"].append((i, [pairs[i]]))
         if i in inner and i not in pairs:
             out["innermost open bracket"].append((i, [inner[i]]))
+        if starts[i] > 0:  # a line above exists: the byte at the same column, if it is long enough
+            above = starts[starts[i] - 1] + (i - starts[i])
+            if above < starts[i] - 1:  # a byte of that line, not its newline
+                out["line above (same column)"].append((i, [above]))
         indent = [j for j in leading if j < i]
         if indent:
             out["indentation"].append((i, indent))
@@ -158,3 +172,42 @@ def head_patterns(maps: AttentionMaps, ids, *, skip: int = 8) -> dict[str, NDArr
             continue
         out[name] = np.mean([w[:, :, i, keys].sum(-1) for i, keys in pairs], axis=0)
     return out
+
+
+class Sharpness(NamedTuple):
+    """How concentrated attention rows are, averaged over the queries (:func:`sharpness`)."""
+
+    max_weight: NDArray[np.float64]  # the largest weight of a row: 1 for a one-hot head
+    entropy: NDArray[np.float64]  # -sum w ln w of a row, nats: 0 for a one-hot head
+    uniform_entropy: float  # the mean ln(keys visible) over the same rows: a uniform head's
+
+
+def sharpness(weights, *, skip: int = 0) -> Sharpness:
+    """Mean largest weight and mean entropy of causal attention rows, queries ``skip`` on.
+
+    ``weights``: [..., n_q, n_keys], row ``r`` seeing the first ``n_keys - n_q + r + 1``
+    keys (the maps of :func:`attention_maps`, [layers, heads, n, n], or one decode step's
+    weights with ``n_q`` 1). ``exp(entropy)`` is the number of positions a head spreads over
+    as evenly; ``uniform_entropy`` is what a head spreading over all it sees would score.
+
+    >>> import numpy as np
+    >>> one_hot, uniform = np.eye(4)[None], np.tril(np.ones((4, 4)))[None]
+    >>> uniform /= uniform.sum(-1, keepdims=True)
+    >>> s = sharpness(np.concatenate([one_hot, uniform]))
+    >>> s.max_weight.round(3).tolist(), s.entropy.round(3).tolist(), round(s.uniform_entropy, 3)
+    ([1.0, 0.521], [0.0, 0.795], 0.795)
+    """
+    w = np.asarray(weights, np.float64)
+    if w.ndim < 2 or w.shape[-2] > w.shape[-1]:
+        raise ShapeMismatchError(
+            f"weights must be [..., n_q, n_keys] with n_q <= n_keys, got {w.shape}"
+        )
+    n_q, n_keys = w.shape[-2:]
+    if not 0 <= skip < n_q:
+        raise InvalidArgumentError(f"skip must be in [0, {n_q}), got {skip}")
+    w = w[..., skip:, :]
+    plogp = np.where(w > 0, w * np.log(np.where(w > 0, w, 1.0)), 0.0)
+    visible = n_keys - n_q + np.arange(skip, n_q) + 1
+    return Sharpness(
+        w.max(-1).mean(-1), (0.0 - plogp.sum(-1)).mean(-1), float(np.log(visible).mean())
+    )
