@@ -29,6 +29,7 @@ from .errors import (
     OutOfBlocksError,
     ShapeMismatchError,
     StaleStepError,
+    StoreError,
 )
 from .kvcache import KVCache
 from .launch import attention_grid, launch_config
@@ -78,5 +79,6 @@ __all__ = [
     "CacheFormatError",
     "OutOfBlocksError",
     "StaleStepError",
+    "StoreError",
     "__version__",
 ]

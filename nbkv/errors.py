@@ -21,6 +21,7 @@ __all__ = [
     "CacheFormatError",
     "OutOfBlocksError",
     "StaleStepError",
+    "StoreError",
 ]
 
 
@@ -73,3 +74,10 @@ class OutOfBlocksError(CacheOverflowError):
 class StaleStepError(KVCacheError, ValueError):
     """A paged cache's step was used after the cache changed (or with another cache):
     its slot mapping could write into blocks now owned by another sequence."""
+
+
+class StoreError(KVCacheError, RuntimeError):
+    """A K/V store (:mod:`nbkv.store`) could not be reached or failed: the Redis server
+    is down or timed out, a directory cannot be written. The message names the store and
+    the cause. An :class:`nbkv.serving.Engine` counts it and recomputes; it never fails a
+    request for it."""
