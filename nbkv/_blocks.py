@@ -67,16 +67,30 @@ class BlockPool:
         out = list(itertools.islice(self.free, n))
         return out + list(itertools.islice(self.cached, n - len(out)))
 
-    def take(self) -> int:
-        """A block for new data, referenced once: a free one, else the oldest cached."""
-        if self.free:
-            b = self.free.popleft()
-        else:
-            b, _ = self.cached.popitem(last=False)
+    def take(self, b: int | None = None) -> int:
+        """A block for new data, referenced once: a free one, else the oldest cached (or
+        block ``b``, which must be free or cached, e.g. one :meth:`spare` named)."""
+        if b is None:
+            if self.free:
+                b = self.free.popleft()
+            else:
+                b, _ = self.cached.popitem(last=False)
+                self._unregister(b)
+        elif b in self.cached:
+            self.cached.pop(b)
             self._unregister(b)
+        else:
+            self.free.remove(b)
         self.gen[b] += 1
         self.refs[b] = 1
         return b
+
+    def spare(self, n: int, keep: set[int]) -> list[int]:
+        """Up to ``n`` blocks that could be taken without touching those in ``keep``: free
+        ones first, then cached ones, oldest first (nothing is changed)."""
+        out = list(itertools.islice(self.free, n))
+        more = (b for b in self.cached if b not in keep)
+        return out + list(itertools.islice(more, n - len(out)))
 
     def share(self, b: int) -> None:
         """One more reference to block ``b`` (a fork, or a prefix hit on a cached block)."""

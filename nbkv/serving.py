@@ -24,6 +24,14 @@ K/V of all of them but the last sampled token, which is the next one fed. Each
    the end of its known tokens samples its next token; a request that produced an end
    token or ``max_new_tokens`` tokens finishes and frees its sequence.
 
+With ``store=`` (:mod:`nbkv.store`: a :class:`~nbkv.store.LocalStore` directory or a
+:class:`~nbkv.store.RedisStore` shared by many engines) the prefix cache gains a second
+tier (:mod:`nbkv.serving_store`): on admission, the prompt's full blocks the pool misses
+are fetched from the store in one round trip and copied in; the blocks each step fills
+are published by a background thread. A store that is slow, down or returns garbage
+costs recomputation, never a wrong token; :meth:`Engine.stats` counts hits, misses,
+bytes and errors.
+
 A request that could never fit (its prompt and new tokens need more blocks than the
 pool has) is refused by :meth:`Engine.add_request`, not left to starve. Greedy outputs
 equal :meth:`nbkv.models.Llama.generate` run alone on each prompt (the tests check it),
@@ -54,6 +62,7 @@ from .errors import ArgumentTypeError, InvalidArgumentError, OutOfBlocksError
 from .models.config import eos_ids
 from .models.llama import pick_next
 from .paged import PagedKVCache
+from .serving_store import StoreTier
 
 __all__ = ["Engine", "StepRecord", "DEFAULT_KV_BYTES"]
 
@@ -88,6 +97,8 @@ class _Request:
     tokens: np.ndarray | None = None  # prompt + generated, room for every new token
     sid: int | None = None  # its sequence while running
     computed: int = 0  # known tokens whose K/V the cache holds
+    published: int = 0  # full blocks of its known tokens already in the store (or sent)
+    looked_up: bool = False  # the store was asked for its prompt since it last waited
     admitted: int = -1  # admission order while running (preemption takes the newest)
     added_at: float = 0.0
     first_token_at: float | None = None
@@ -129,6 +140,11 @@ class Engine:
     prefix_caching : bool, default True
     device : {"cpu", "cuda"}, default "cpu"
         Where the cache lives (the model's products run on the host).
+    store : nbkv.store.Store, optional
+        A second tier for the prefix cache, shared with other engines of the same model
+        (needs ``prefix_caching``): blocks the pool misses are fetched from it on
+        admission, the blocks prefill and decode fill are published to it in the
+        background. Call :meth:`flush` to wait for publication, :meth:`close` at the end.
     """
 
     def __init__(
@@ -141,6 +157,7 @@ class Engine:
         max_seqs: int = 64,
         prefix_caching: bool = True,
         device: str = "cpu",
+        store: Any = None,
     ) -> None:
         if not hasattr(model, "forward_paged") or not hasattr(model, "config"):
             raise ArgumentTypeError(
@@ -165,6 +182,9 @@ class Engine:
             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype="float32",
             device=device, prefix_caching=bool(prefix_caching),
         )  # fmt: skip
+        if store is not None and not prefix_caching:
+            raise InvalidArgumentError("store= needs prefix_caching=True (blocks are found by key)")
+        self._tier = None if store is None else StoreTier(store, model, self._cache)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []  # in admission order
         self._requests: dict[int, _Request] = {}
@@ -193,6 +213,33 @@ class Engine:
         """Whether any request is waiting or running (or finished, not yet returned by
         :meth:`step`)."""
         return bool(self._waiting or self._running or self._held)
+
+    def stats(self) -> dict[str, int]:
+        """Counters: requests waiting, running and preempted, steps run, the paged cache's
+        :meth:`~nbkv.PagedKVCache.stats`, and with a store its tier's: lookups, blocks hit
+        and missed, records rejected, errors, lookups skipped while it was backed off,
+        bytes read and written, blocks published, dropped and pending."""
+        out = {
+            "requests_waiting": len(self._waiting),
+            "requests_running": len(self._running),
+            "preemptions": self.preemptions,
+            "steps": len(self.history),
+            **self._cache.stats(),
+        }
+        if self._tier is not None:
+            out.update(self._tier.stats())
+        return out
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the blocks handed to the store are written (True), or ``timeout``
+        seconds pass (False). Without a store, True at once."""
+        return True if self._tier is None else self._tier.flush(timeout)
+
+    def close(self) -> None:
+        """Publish what is queued and stop the store's background thread (the engine stays
+        usable: a later publication starts it again)."""
+        if self._tier is not None:
+            self._tier.close()
 
     def times(self, rid: int) -> dict[str, float | None]:
         """``perf_counter`` times of request ``rid``: ``added``, ``first_token``,
@@ -313,6 +360,10 @@ class Engine:
         now = time.perf_counter()
         for (r, n), token in zip(batch, picks, strict=True):
             r.computed += n
+            full = r.computed // cache.block_size
+            if self._tier is not None and full > r.published:  # before _finish frees it
+                self._tier.publish(cache, r.sid, r.known(), r.published, full)
+                r.published = full
             if token is None:
                 continue
             r.known()  # (its buffer exists)
@@ -379,6 +430,9 @@ class Engine:
                     need += cache.blocks_needed({r.sid: r.next(n)})
         while self._waiting and budget > 0 and len(self._running) < self._max_seqs:
             r = self._waiting[0]
+            if self._tier is not None and not r.looked_up:  # blocks the pool misses, from
+                r.looked_up = True  # the store: one round trip, into the prefix cache
+                self._tier.fetch(cache, r.known(), cache.num_free_blocks - need)
             hit, taken = cache.match(r.known())  # what add() would find, nothing changed
             n = min(len(r.known()) - hit, budget, room(hit, False, taken))
             if n <= 0:
@@ -386,6 +440,7 @@ class Engine:
             self._waiting.popleft()
             sid = cache.add(r.known())  # starts past the cached blocks it matched
             r.sid, r.computed = sid, cache.seq_len(sid)
+            r.published = max(r.published, r.computed // bs)  # those blocks exist already
             r.admitted = self._admissions
             self._admissions += 1
             self._running.append(r)
@@ -399,6 +454,6 @@ class Engine:
         recomputed from its prompt plus what it has generated when admitted again."""
         self._cache.free(r.sid)
         self._running.remove(r)
-        r.sid, r.computed, r.admitted = None, 0, -1
+        r.sid, r.computed, r.admitted, r.looked_up = None, 0, -1, False
         self._waiting.appendleft(r)
         self.preemptions += 1

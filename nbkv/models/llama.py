@@ -306,6 +306,7 @@ class Llama:
         self._lm_head = self._embed if config.tie_word_embeddings else w["lm_head.weight"]
         self._inv_freq = _inv_freq(config)
         self._num_parameters = sum(a.size for a in w.values())
+        self._identity: bytes | None = None
 
     # -- constructors ----------------------------------------------------------------
 
@@ -369,6 +370,23 @@ class Llama:
     @property
     def num_parameters(self) -> int:
         return self._num_parameters
+
+    @property
+    def identity(self) -> bytes:
+        """What this model is, as 32 bytes: sha256 of its config and every weight (as the
+        model computes with them, float32). Two models share it exactly when they compute
+        the same K/V; a K/V store (:mod:`nbkv.store`) mixes it into its keys so that two
+        models never share blocks. Computed once, on first use."""
+        if self._identity is None:
+            h = hashlib.sha256(repr(self._config).encode())
+            arrays = [self._embed, self._norm, self._lm_head]
+            for layer in self._layers:
+                arrays += [layer.input_norm, layer.wqkv, layer.wo, layer.post_norm]
+                arrays += [layer.wgu, layer.wdown]
+            for a in arrays:
+                h.update(np.ascontiguousarray(a).tobytes())
+            self._identity = h.digest()
+        return self._identity
 
     def __repr__(self) -> str:
         c = self._config
