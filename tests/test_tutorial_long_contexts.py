@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 import nbkv
+from nbkv.models import Llama
 from nbkv.tutorial.long_contexts import (
     held_matrix,
     held_positions,
-    speculate,
+    lookup_draft,
+    speculative_greedy,
     trace_decode,
     window_reference,
 )
@@ -63,22 +65,63 @@ def test_held_matrix_columns_are_held_positions():
         assert np.flatnonzero(m[:, t]).tolist() == held_positions(t + 1, 6, 2).tolist()
 
 
-def test_speculate_equals_never_seeing_the_rejected_tokens():
-    rng = np.random.default_rng(2)
-    kw = dict(batch=2, num_kv_heads=2, head_dim=4, dtype="float32")
-    spec, plain = nbkv.LayerKVCache(64, **kw), nbkv.LayerKVCache(64, **kw)
-    prompt = _kv(rng, 5)
-    spec.append(*prompt)
-    plain.append(*prompt)
-    for accepted in (0, 2, 4, 1):
-        dk, dv = _kv(rng, 4)
-        assert speculate(spec, dk, dv, accepted) == 4 - accepted
-        plain.append(dk[:, :, :accepted], dv[:, :, :accepted])
-        assert spec.seq_len == plain.seq_len
-        for a, b in zip(spec.get_kv(), plain.get_kv(), strict=True):
-            np.testing.assert_array_equal(a, b)
+@pytest.fixture(scope="module")
+def model():
+    return Llama.default()
+
+
+PROMPT = list(b"import os\nimport sys\nimport ")
+
+
+def test_lookup_draft_copies_what_followed_the_last_match():
+    assert bytes(lookup_draft(list(b"ab1 ab2 ab"), 2).tolist()) == b"2 "  # the latest "ab"
+    assert bytes(lookup_draft(list(b"xyz-xy"), 4).tolist()) == b"z-xy"  # copies past the end
+    assert bytes(lookup_draft(list(b"aaaa"), 3).tolist()) == b"aaa"
+    assert lookup_draft(list(b"abcd"), 3).tolist() == []  # the last token never seen before
+    assert lookup_draft(list(b"abab"), 0).tolist() == []
+    assert lookup_draft(list(b"a"), 3).tolist() == []
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 6])
+def test_speculative_greedy_equals_greedy_and_its_cache_holds_what_was_accepted(model, k):
+    new = 40
+    want = model.generate(PROMPT, new, eos_token_id=None)[0]
+    run = speculative_greedy(model, PROMPT, new, k=k)
+    assert run.tokens.tolist() == want.tolist()
+    assert run.forward_passes == 1 + len(run.accepted)
+    assert (run.accepted <= run.drafted).all() and (run.drafted <= k).all()
+    # each round keeps the token fed and the drafts accepted; the model's next token waits
+    assert np.diff(np.r_[len(PROMPT), run.cache_len]).tolist() == (run.accepted + 1).tolist()
+    assert run.cache_len[-1] == len(run.tokens) - 1
+    if k:
+        assert run.accepted.sum() > 0 and run.forward_passes < new  # the draft saved passes
+    else:
+        assert run.forward_passes == new  # plain greedy decoding, one token a pass
+
+
+def test_speculative_greedy_is_exact_whatever_the_draft(model):
+    new = 24
+    want = model.generate(PROMPT, new, eos_token_id=None)[0].tolist()
+    oracle = speculative_greedy(model, PROMPT, new, k=5, draft=lambda t, k: want[len(t) :][:k])
+    assert oracle.tokens.tolist() == want and oracle.accepted.sum() == oracle.drafted.sum()
+    assert oracle.forward_passes == 1 + -(-(new - 1) // 6)  # k + 1 tokens a pass
+
+    def wrong(tokens, k):  # never the model's choice
+        return [(want[len(tokens) + i] + 1) % 256 for i in range(min(k, len(want) - len(tokens)))]
+
+    rejected = speculative_greedy(model, PROMPT, new, k=3, draft=wrong)
+    assert rejected.tokens.tolist() == want and rejected.accepted.sum() == 0
+    assert rejected.forward_passes == new
+
+
+def test_speculative_greedy_rolls_back_a_cache_it_is_given(model):
+    cache = model.new_cache(1, 128, dtype="float16")
+    run = speculative_greedy(model, PROMPT, 30, k=4, cache=cache)
+    assert cache.offset == cache.seq_len == run.cache_len[-1] == len(run.tokens) - 1
+    with pytest.raises(ValueError, match="empty"):
+        speculative_greedy(model, PROMPT, 5, cache=cache)
     with pytest.raises(ValueError):
-        speculate(spec, dk, dv, 5)
+        speculative_greedy(model, PROMPT, 0)
 
 
 def test_trace_decode_records_growth_and_rotation():
