@@ -126,8 +126,16 @@ def test_roofline_is_bandwidth_times_intensity_up_to_the_peak():
 
 
 def test_peak_flops_probe_returns_a_finite_positive_rate():
-    gflops = timing.peak_flops(64, repeats=2)
-    assert math.isfinite(gflops) and gflops > 0
+    for best in (False, True):
+        gflops = timing.peak_flops(64, repeats=3, best=best)
+        assert math.isfinite(gflops) and gflops > 0
+
+
+def test_best_takes_the_fastest_tenth_of_the_calls():
+    t = timing.Timing(median_s=2.0, p10_s=1.0, p90_s=3.0, first_s=5.0, repeats=9)
+    assert timing._seconds(t, best=True) == 1.0 and timing._seconds(t, best=False) == 2.0
+    assert timing.read_bandwidth(1 << 20, repeats=3, best=True) > 0
+    assert timing.copy_bandwidth(1 << 20, repeats=3, best=True) > 0
 
 
 def test_jit_first_call_reports_the_three_times_from_a_child_process(tmp_path):
