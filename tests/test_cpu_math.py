@@ -155,3 +155,35 @@ def test_attention_through_the_api_uses_the_same_chunked_kernel(rng):
     q = rng.standard_normal((1, 8, 90, 64)).astype(np.float32)
     want = reference.attention(q, k.astype(np.float64), v.astype(np.float64))
     np.testing.assert_allclose(nbkv.attention(q, cache), want, rtol=0, atol=3e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prefetching_ahead_leaves_scores_and_sums_bit_identical(seed):
+    # the score and value loops prefetch ``ahead`` rows past the one they compute (past
+    # the block's end too): the arithmetic must not change by a bit, for every row count
+    # (the 4-row passes and the rows left over), every block length (the 4- and 8-position
+    # passes and the positions left over) and every storage dtype
+    rng = np.random.default_rng(seed)
+    for _ in range(8):
+        rows = int(rng.integers(1, 11))
+        nb = int(rng.integers(1, 70))
+        dim = int(rng.choice([3, 16, 64, 128]))
+        ahead = int(rng.choice([1, 7, 64, 1000]))
+        qs = rng.standard_normal((rows, dim)).astype(np.float32)
+        w = rng.random((rows, nb)).astype(np.float32)
+        block = rng.standard_normal((nb + 5, dim)).astype(np.float32)  # rows after the block
+        for name in ("float32", "float16", "bfloat16"):
+            dtype = resolve_dtype(name)
+            stored = block.astype(dtype).view(kernel_dtype(dtype)) if name != "float32" else block
+            kind = kind16(widen_table(dtype))
+            kb = stored[:nb]
+            got_s, want_s = np.zeros((rows, nb), np.float32), np.zeros((rows, nb), np.float32)
+            cpu_attention._scores(qs, kb, got_s, 0, kind, ahead)
+            cpu_attention._scores(qs, kb, want_s, 0, kind, 0)
+            np.testing.assert_array_equal(got_s, want_s)
+            acc0 = rng.standard_normal((rows, dim)).astype(np.float32)
+            got_a, want_a = acc0.copy(), acc0.copy()
+            cpu_attention._accumulate(w, kb, got_a, 0, kind, ahead)
+            cpu_attention._accumulate(w, kb, want_a, 0, kind, 0)
+            np.testing.assert_array_equal(got_a, want_a)
+            np.testing.assert_array_equal(stored[:nb], kb)  # a hint writes nothing
