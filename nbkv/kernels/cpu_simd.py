@@ -1,0 +1,407 @@
+"""Explicit SIMD for the CPU attention's score loop: a 4 x 4 tile of dot products written
+as LLVM vector IR, where the loop vectoriser leaves half the work on the table.
+
+A score is a dot product along ``head_dim``. Vectorised along ``head_dim`` (the only unit
+stride K has), each of a tile's 16 dot products ends as a 16-lane vector of partial sums,
+and LLVM sums each one across its lanes alone: four shuffle-and-add steps per score, 64
+instructions per tile beside its 128 multiply-adds (at head_dim 128). :func:`score_tile`
+sums the 16 vectors together instead, a transposing reduction: each step shuffles two
+vectors into one holding half of each, so 16 vectors of 16 lanes become one vector of 16
+sums in 15 additions and 30 shuffles.
+
+The vectors are ``<16 x float>``: one AVX-512 register, two AVX2 ones (LLVM splits them
+where the CPU is narrower). Multiplies and adds carry LLVM's ``contract`` flag, so they
+fuse into FMAs where the CPU has them. 16-bit K rows are widened as they are loaded:
+float16 by ``fpext`` (``vcvtph2ps``), bfloat16 by a 16-bit shift.
+
+The summation order differs from the scalar loop's (lanes first, then the vectors), so
+scores agree with it to float32 rounding, not bit for bit; the attention tests hold both
+to the float64 reference.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic, overload
+
+__all__ = ["LANES", "accumulate_rows", "score_tile", "tile_ok"]
+
+LANES = 16  # float32 lanes per vector
+_TILE = 4  # query rows, and K rows, per tile
+
+
+def _reduce_across(builder, vecs):
+    """One vector whose lane ``t`` is the sum of ``vecs[t]``'s lanes (16 vectors of 16)."""
+    level = [(v, 1) for v in vecs]  # (vector, items it holds, each over 16 / items lanes)
+    while len(level) > 1:
+        nxt = []
+        for (a, n), (b, _) in zip(level[0::2], level[1::2], strict=True):
+            w = LANES // n  # lanes per item now; each item keeps half of them
+            low, high = [], []
+            for src in (0, LANES):  # a's items, then b's (b's lanes are 16..31)
+                for k in range(n):
+                    base = src + k * w
+                    low.extend(range(base, base + w // 2))
+                    high.extend(range(base + w // 2, base + w))
+            lo = builder.shuffle_vector(a, b, _mask(low))
+            hi = builder.shuffle_vector(a, b, _mask(high))
+            nxt.append((builder.fadd(lo, hi), 2 * n))
+        level = nxt
+    return level[0][0]
+
+
+def _mask(lanes):
+    """A shufflevector mask: the lanes picked, in order (0..15 first operand, 16..31 second)."""
+    return ir.Constant(ir.VectorType(ir.IntType(32), len(lanes)), lanes)
+
+
+def _row_pointer(context, builder, aty, ary, row, col):
+    """An ``i8*`` to ``ary[row, col]`` (a 2-D array), from its data pointer and strides."""
+    strides = cgutils.unpack_tuple(builder, ary.strides)
+    i8p = ir.IntType(8).as_pointer()
+    base = builder.bitcast(ary.data, i8p)
+    off = builder.add(
+        builder.mul(row, strides[0]),
+        builder.mul(col, context.get_constant(types.intp, aty.dtype.bitwidth // 8)),
+    )
+    return builder.gep(base, [off])
+
+
+def _load(builder, ptr, fmt):
+    """16 elements at ``ptr`` (``i8*``) as ``<16 x float>``; ``fmt``: "f32", "f16", "bf16"."""
+    f32v = ir.VectorType(ir.FloatType(), LANES)
+    if fmt == "f32":
+        return builder.load(builder.bitcast(ptr, f32v.as_pointer()), align=4)
+    i16v = ir.VectorType(ir.IntType(16), LANES)
+    bits = builder.load(builder.bitcast(ptr, i16v.as_pointer()), align=2)
+    if fmt == "f16":
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), f32v)
+    i32v = ir.VectorType(ir.IntType(32), LANES)
+    wide = builder.shl(builder.zext(bits, i32v), ir.Constant(i32v, 16))
+    return builder.bitcast(wide, f32v)
+
+
+def _make_tile(fmt):
+    """The tile intrinsic for K rows stored as ``fmt`` (see :func:`_load`)."""
+    kdtype = types.float32 if fmt == "f32" else types.uint16
+    ksize = kdtype.bitwidth // 8
+
+    @intrinsic
+    def tile(typingctx, qs, r, kb, j, s, col):
+        ok = (
+            isinstance(qs, types.Array)
+            and qs.ndim == 2
+            and qs.dtype == types.float32
+            and isinstance(kb, types.Array)
+            and kb.ndim == 2
+            and kb.dtype == kdtype
+            and isinstance(s, types.Array)
+            and s.ndim == 2
+            and s.dtype == types.float32
+        )
+        if not ok:
+            return None
+
+        def codegen(context, builder, signature, args):
+            qty, rty, kty, jty, sty, cty = signature.args
+            qa = context.make_array(qty)(context, builder, args[0])
+            ka = context.make_array(kty)(context, builder, args[2])
+            sa = context.make_array(sty)(context, builder, args[4])
+            intp = context.get_value_type(types.intp)
+            r0 = context.cast(builder, args[1], rty, types.intp)
+            j0 = context.cast(builder, args[3], jty, types.intp)
+            c0 = context.cast(builder, args[5], cty, types.intp)
+            dim = cgutils.unpack_tuple(builder, qa.shape)[1]
+            qrows = [
+                _row_pointer(context, builder, qty, qa, builder.add(r0, intp(i)), intp(0))
+                for i in range(_TILE)
+            ]
+            krows = [
+                _row_pointer(context, builder, kty, ka, builder.add(j0, intp(i)), intp(0))
+                for i in range(_TILE)
+            ]
+            f32v = ir.VectorType(ir.FloatType(), LANES)
+            zero = ir.Constant(f32v, [0.0] * LANES)
+            entry = builder.basic_block
+            loop = builder.append_basic_block("tile.loop")
+            done = builder.append_basic_block("tile.done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            # d: the pass's first element; 16 sums of 16 lanes each, one per (row, K row)
+            d = builder.phi(intp)
+            accs = [builder.phi(f32v) for _ in range(_TILE * _TILE)]
+            qv = [_load(builder, builder.gep(p, [builder.mul(d, intp(4))]), "f32") for p in qrows]
+            kv = [_load(builder, builder.gep(p, [builder.mul(d, intp(ksize))]), fmt) for p in krows]
+            new = []
+            for i in range(_TILE):
+                for k in range(_TILE):
+                    prod = builder.fmul(qv[i], kv[k])
+                    prod.flags.append("contract")
+                    total = builder.fadd(accs[i * _TILE + k], prod)
+                    total.flags.append("contract")
+                    new.append(total)
+            d_next = builder.add(d, intp(LANES))
+            builder.cbranch(builder.icmp_signed("<", d_next, dim), loop, done)
+            d.add_incoming(intp(0), entry)
+            d.add_incoming(d_next, loop)
+            for phi, v in zip(accs, new, strict=True):
+                phi.add_incoming(zero, entry)
+                phi.add_incoming(v, loop)
+            builder.position_at_end(done)
+            sums = _reduce_across(builder, new)  # lane i * 4 + k: row i . K row k
+            for i in range(_TILE):
+                for k in range(_TILE):
+                    ptr = _row_pointer(
+                        context,
+                        builder,
+                        sty,
+                        sa,
+                        builder.add(r0, intp(i)),
+                        builder.add(c0, intp(k)),
+                    )
+                    value = builder.extract_element(sums, ir.IntType(32)(i * _TILE + k))
+                    builder.store(value, builder.bitcast(ptr, ir.FloatType().as_pointer()))
+            return context.get_dummy_value()
+
+        return types.none(qs, r, kb, j, s, col), codegen
+
+    return tile
+
+
+_tile_f32 = _make_tile("f32")
+_tile_f16 = _make_tile("f16")
+_tile_bf16 = _make_tile("bf16")
+
+
+def score_tile(qs, r, kb, j, s, col, kind):
+    """``s[r + i, col + k] = qs[r + i] . kb[j + k]`` for i, k in 0..3, as vector IR.
+
+    qs: float32 [rows, head_dim] (queries); kb: [positions, head_dim] float32, or uint16
+    bits of float16 (``kind`` 0) or bfloat16 (``kind`` 1); s: float32 scores. Only where
+    :func:`tile_ok` holds: head_dim a multiple of 16, both rows unit-stride. Mutates ``s``.
+    By the overload."""
+    raise NotImplementedError  # pragma: no cover - only called from compiled code
+
+
+@overload(score_tile, jit_options={"cache": True})
+def _score_tile_impl(qs, r, kb, j, s, col, kind):
+    if qs.dtype != types.float32:
+        return lambda qs, r, kb, j, s, col, kind: None  # never called: tile_ok is False
+    if kb.dtype == types.float32:
+        return lambda qs, r, kb, j, s, col, kind: _tile_f32(qs, r, kb, j, s, col)
+    if kb.dtype == types.uint16:
+
+        def widened(qs, r, kb, j, s, col, kind):
+            if kind == 0:
+                _tile_f16(qs, r, kb, j, s, col)
+            else:
+                _tile_bf16(qs, r, kb, j, s, col)
+
+        return widened
+    return lambda qs, r, kb, j, s, col, kind: None  # float64 K: tile_ok is False
+
+
+def tile_ok(qs, kb):
+    """Whether :func:`score_tile` applies to these arrays. By the overload."""
+    raise NotImplementedError  # pragma: no cover - only called from compiled code
+
+
+@overload(tile_ok, jit_options={"cache": True})
+def _tile_ok_impl(qs, kb):
+    if qs.dtype != types.float32 or kb.dtype not in (types.float32, types.uint16):
+        return lambda qs, kb: False
+
+    def ok(qs, kb):
+        dim = qs.shape[1]
+        return (
+            dim >= LANES
+            and dim % LANES == 0
+            and kb.shape[1] == dim
+            and qs.strides[1] == qs.itemsize
+            and kb.strides[1] == kb.itemsize
+        )
+
+    return ok
+
+
+def _prefetch(builder, ptr):
+    """``llvm.prefetch`` of the line holding ``ptr`` (``i8*``): read, all cache levels."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+    builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+
+
+def _splat(builder, x):
+    """A float broadcast to every lane of a ``<16 x float>``."""
+    f32v = ir.VectorType(ir.FloatType(), LANES)
+    one = builder.insert_element(ir.Constant(f32v, None), x, ir.IntType(32)(0))
+    return builder.shuffle_vector(one, ir.Constant(f32v, None), _mask([0] * LANES))
+
+
+def _make_accumulate(fmt, chunks):
+    """The accumulate intrinsic for V rows stored as ``fmt``, ``chunks`` vectors of
+    head_dim per pass (4: head_dim a multiple of 64; 1: of 16)."""
+    vdtype = types.float32 if fmt == "f32" else types.uint16
+    vsize = vdtype.bitwidth // 8
+    width = LANES * chunks  # elements of head_dim per pass
+
+    @intrinsic
+    def accumulate(typingctx, s, r, vb, nb, acc, c0, ahead):
+        ok = (
+            isinstance(s, types.Array)
+            and s.ndim == 2
+            and s.dtype == types.float32
+            and isinstance(vb, types.Array)
+            and vb.ndim == 2
+            and vb.dtype == vdtype
+            and isinstance(acc, types.Array)
+            and acc.ndim == 2
+            and acc.dtype == types.float32
+        )
+        if not ok:
+            return None
+
+        def codegen(context, builder, signature, args):
+            sty, rty, vty, nty, aty, cty, hty = signature.args
+            sa = context.make_array(sty)(context, builder, args[0])
+            va = context.make_array(vty)(context, builder, args[2])
+            aa = context.make_array(aty)(context, builder, args[4])
+            intp = context.get_value_type(types.intp)
+            r0 = context.cast(builder, args[1], rty, types.intp)
+            n = context.cast(builder, args[3], nty, types.intp)
+            c0 = context.cast(builder, args[5], cty, types.intp)
+            ahead = context.cast(builder, args[6], hty, types.intp)
+            dim = cgutils.unpack_tuple(builder, aa.shape)[1]
+            vstride = cgutils.unpack_tuple(builder, va.strides)[0]
+            f32p = ir.FloatType().as_pointer()
+            rows = [builder.add(r0, intp(i)) for i in range(_TILE)]
+            done = builder.append_basic_block("acc.done")
+
+            def nest(with_prefetch):
+                """The loops over head_dim passes and positions; falls through to done."""
+                entry = builder.basic_block
+                outer = builder.append_basic_block("acc.outer")
+                inner = builder.append_basic_block("acc.inner")
+                tail = builder.append_basic_block("acc.tail")
+                builder.branch(outer)
+                builder.position_at_end(outer)
+                d = builder.phi(intp)
+                aptr = [
+                    [
+                        _row_pointer(
+                            context, builder, aty, aa, row, builder.add(d, intp(LANES * c))
+                        )
+                        for c in range(chunks)
+                    ]
+                    for row in rows
+                ]
+                start = [[_load(builder, p, "f32") for p in ptrs] for ptrs in aptr]
+                builder.branch(inner)
+                builder.position_at_end(inner)
+                j = builder.phi(intp)
+                f32v = ir.VectorType(ir.FloatType(), LANES)
+                sums = [[builder.phi(f32v) for _ in range(chunks)] for _ in rows]
+                vrow = _row_pointer(context, builder, vty, va, j, d)
+                if with_prefetch:
+                    far = builder.gep(vrow, [builder.mul(ahead, vstride)])
+                    for line in range(0, width * vsize, 64):
+                        _prefetch(builder, builder.gep(far, [intp(line)]))
+                v = [
+                    _load(builder, builder.gep(vrow, [intp(LANES * c * vsize)]), fmt)
+                    for c in range(chunks)
+                ]
+                new = []
+                for i, row in enumerate(rows):
+                    wptr = _row_pointer(context, builder, sty, sa, row, builder.add(c0, j))
+                    w = _splat(builder, builder.load(builder.bitcast(wptr, f32p), align=4))
+                    out = []
+                    for c in range(chunks):
+                        prod = builder.fmul(w, v[c])
+                        prod.flags.append("contract")
+                        total = builder.fadd(sums[i][c], prod)
+                        total.flags.append("contract")
+                        out.append(total)
+                    new.append(out)
+                j_next = builder.add(j, intp(1))
+                builder.cbranch(builder.icmp_signed("<", j_next, n), inner, tail)
+                j.add_incoming(intp(0), outer)
+                j.add_incoming(j_next, inner)
+                for i in range(_TILE):
+                    for c in range(chunks):
+                        sums[i][c].add_incoming(start[i][c], outer)
+                        sums[i][c].add_incoming(new[i][c], inner)
+                builder.position_at_end(tail)
+                for i in range(_TILE):
+                    for c in range(chunks):
+                        ptr = builder.bitcast(aptr[i][c], f32v.as_pointer())
+                        builder.store(new[i][c], ptr, align=4)
+                d_next = builder.add(d, intp(width))
+                builder.cbranch(builder.icmp_signed("<", d_next, dim), outer, done)
+                d.add_incoming(intp(0), entry)
+                d.add_incoming(d_next, tail)
+
+            # two copies of the loops, with prefetches and without: no test inside them
+            with_pf = builder.append_basic_block("acc.prefetching")
+            plain = builder.append_basic_block("acc.plain")
+            builder.cbranch(builder.icmp_signed(">", ahead, intp(0)), with_pf, plain)
+            builder.position_at_end(with_pf)
+            nest(True)
+            builder.position_at_end(plain)
+            nest(False)
+            builder.position_at_end(done)
+            return context.get_dummy_value()
+
+        return types.none(s, r, vb, nb, acc, c0, ahead), codegen
+
+    return accumulate
+
+
+_ACCUMULATE = {
+    (fmt, chunks): _make_accumulate(fmt, chunks)
+    for fmt in ("f32", "f16", "bf16")
+    for chunks in (1, 4)
+}
+_acc_f32_1, _acc_f32_4 = _ACCUMULATE["f32", 1], _ACCUMULATE["f32", 4]
+_acc_f16_1, _acc_f16_4 = _ACCUMULATE["f16", 1], _ACCUMULATE["f16", 4]
+_acc_bf16_1, _acc_bf16_4 = _ACCUMULATE["bf16", 1], _ACCUMULATE["bf16", 4]
+
+
+def accumulate_rows(s, r, vb, nb, acc, c0, kind, ahead):
+    """``acc[r + i] += sum over j < nb of s[r + i, c0 + j] * vb[j]`` for i in 0..3, as vector
+    IR: the 4 x 64 accumulators of a pass over head_dim stay in registers while every
+    position of the block is added. ``vb``: float32 rows, or uint16 bits of float16
+    (``kind`` 0) or bfloat16 (1); ``ahead`` > 0 prefetches row ``j + ahead`` as row ``j``
+    is added. Only where :func:`tile_ok` holds for ``(acc, vb)`` and ``nb`` > 0. Mutates
+    ``acc``. By the overload."""
+    raise NotImplementedError  # pragma: no cover - only called from compiled code
+
+
+@overload(accumulate_rows, jit_options={"cache": True})
+def _accumulate_rows_impl(s, r, vb, nb, acc, c0, kind, ahead):
+    if acc.dtype != types.float32 or vb.dtype not in (types.float32, types.uint16):
+        return lambda s, r, vb, nb, acc, c0, kind, ahead: None  # tile_ok is False
+    if vb.dtype == types.float32:
+
+        def rows32(s, r, vb, nb, acc, c0, kind, ahead):
+            if acc.shape[1] % (4 * LANES) == 0:
+                _acc_f32_4(s, r, vb, nb, acc, c0, ahead)
+            else:
+                _acc_f32_1(s, r, vb, nb, acc, c0, ahead)
+
+        return rows32
+
+    def rows16(s, r, vb, nb, acc, c0, kind, ahead):
+        wide = acc.shape[1] % (4 * LANES) == 0
+        if kind == 0:
+            if wide:
+                _acc_f16_4(s, r, vb, nb, acc, c0, ahead)
+            else:
+                _acc_f16_1(s, r, vb, nb, acc, c0, ahead)
+        elif wide:
+            _acc_bf16_4(s, r, vb, nb, acc, c0, ahead)
+        else:
+            _acc_bf16_1(s, r, vb, nb, acc, c0, ahead)
+
+    return rows16

@@ -1,0 +1,137 @@
+"""The CPU attention's vector-IR paths (nbkv.kernels.cpu_simd): the 4 x 4 score tile and
+the four-row V accumulation, against float64 NumPy and against the plain loops they
+replace, on random shapes that reach the edges (head_dim 16 to 256, one pass or four
+vectors a pass, blocks of 1 to 70 positions, 16-bit rows), and checked to write every
+element they own and nothing else."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import njit
+
+from nbkv.dtypes import kernel_dtype, resolve_dtype, widen_table
+from nbkv.kernels import cpu_attention
+from nbkv.kernels.cpu_math import kind16
+from nbkv.kernels.cpu_simd import LANES, accumulate_rows, score_tile, tile_ok
+
+from conftest import cpu_only
+
+pytestmark = cpu_only
+
+FORMATS = ("float32", "float16", "bfloat16")
+DIMS = (16, 32, 48, 64, 128, 192, 256)
+
+
+def _stored(x, name):
+    """``x`` (float32) as a kernel stores it, its exact float64 value, and its kind."""
+    if name == "float32":
+        return x, x.astype(np.float64), -1
+    dtype = resolve_dtype(name)
+    narrow = x.astype(dtype)
+    return narrow.view(kernel_dtype(dtype)), narrow.astype(np.float64), kind16(widen_table(dtype))
+
+
+@njit
+def _tile(qs, r, kb, j, s, col, kind):
+    score_tile(qs, r, kb, j, s, col, kind)
+
+
+@njit
+def _rows(s, r, vb, nb, acc, c0, kind, ahead):
+    accumulate_rows(s, r, vb, nb, acc, c0, kind, ahead)
+
+
+@njit
+def _ok(qs, kb):
+    return tile_ok(qs, kb)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("seed", range(3))
+def test_score_tile_matches_float64_and_writes_its_16_scores_only(name, seed):
+    rng = np.random.default_rng(seed)
+    for dim in DIMS:
+        qs = rng.standard_normal((9, dim)).astype(np.float32)
+        kb, kb64, kind = _stored(rng.standard_normal((11, dim)).astype(np.float32), name)
+        r, j, col = int(rng.integers(0, 6)), int(rng.integers(0, 8)), int(rng.integers(0, 5))
+        s = np.full((9, 12), np.nan, np.float32)  # NaN where nothing may be written
+        _tile(qs, r, kb, j, s, col, kind)
+        want = qs[r : r + 4].astype(np.float64) @ kb64[j : j + 4].T
+        got = s[r : r + 4, col : col + 4]
+        scale = np.abs(qs[r : r + 4]).astype(np.float64) @ np.abs(kb64[j : j + 4]).T
+        assert np.all(np.abs(got - want) <= 4e-7 * scale + 1e-30), (dim, name)
+        untouched = np.ones(s.shape, bool)
+        untouched[r : r + 4, col : col + 4] = False
+        assert np.all(np.isnan(s[untouched])), "the tile wrote outside its 16 scores"
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("seed", range(3))
+def test_accumulate_rows_matches_float64_and_leaves_other_rows(name, seed):
+    rng = np.random.default_rng(seed)
+    for dim in DIMS:
+        nb = int(rng.integers(1, 71))
+        c0 = int(rng.integers(0, 4))
+        r = int(rng.integers(0, 5))
+        w = rng.random((10, c0 + nb + 2)).astype(np.float32)
+        vb, vb64, kind = _stored(rng.standard_normal((nb + 3, dim)).astype(np.float32), name)
+        acc0 = rng.standard_normal((10, dim)).astype(np.float32)
+        want = acc0.astype(np.float64)
+        want[r : r + 4] += w[r : r + 4, c0 : c0 + nb].astype(np.float64) @ vb64[:nb]
+        scale = np.abs(acc0[r : r + 4]).astype(np.float64) + (
+            w[r : r + 4, c0 : c0 + nb].astype(np.float64) @ np.abs(vb64[:nb])
+        )
+        results = []
+        for ahead in (0, 1, 64):  # prefetching must not change a bit
+            acc = acc0.copy()
+            _rows(w, r, vb, nb, acc, c0, kind, ahead)
+            results.append(acc)
+            assert np.all(np.abs(acc[r : r + 4] - want[r : r + 4]) <= 1e-6 * scale), (dim, nb)
+            others = np.ones(10, bool)
+            others[r : r + 4] = False
+            np.testing.assert_array_equal(acc[others], acc0[others])
+        np.testing.assert_array_equal(results[0], results[1])
+        np.testing.assert_array_equal(results[0], results[2])
+
+
+def test_tile_ok_names_where_the_vector_paths_apply():
+    f32 = np.zeros((4, 64), np.float32)
+    assert _ok(f32, np.zeros((8, 64), np.float32))
+    assert _ok(f32, np.zeros((8, 64), np.uint16))
+    assert _ok(np.zeros((4, LANES), np.float32), np.zeros((8, LANES), np.float32))
+    assert not _ok(np.zeros((4, 40), np.float32), np.zeros((8, 40), np.float32))  # 40 % 16
+    assert not _ok(np.zeros((4, 8), np.float32), np.zeros((8, 8), np.float32))
+    assert not _ok(np.zeros((4, 64), np.float64), np.zeros((8, 64), np.float64))
+    assert not _ok(f32, np.zeros((8, 128), np.float32)[:, ::2])  # not unit-stride
+    assert not _ok(np.zeros((4, 128), np.float32)[:, ::2], np.zeros((8, 64), np.float32))
+    assert not _ok(f32, np.zeros((8, 32), np.float32))  # head_dims differ
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("seed", range(4))
+def test_block_functions_agree_with_the_plain_loops_they_replace(name, seed):
+    # _scores and _accumulate take the vector paths on unit-stride rows and the plain
+    # loops on strided ones (the same values): for every row count (the 4-row passes
+    # and the rows left over) and block length, the two agree to float32 rounding
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(6):
+        rows = int(rng.integers(1, 14))
+        nb = int(rng.integers(1, 70))
+        dim = int(rng.choice([16, 64, 128, 192]))
+        qs = rng.standard_normal((rows, dim)).astype(np.float32)
+        block, _, kind = _stored(rng.standard_normal((nb, dim)).astype(np.float32), name)
+        strided = np.zeros((nb, 2 * dim), block.dtype)
+        strided[:, ::2] = block
+        strided = strided[:, ::2]
+        assert _ok(qs, block) and not _ok(qs, strided)
+        fast, plain = np.zeros((rows, nb), np.float32), np.zeros((rows, nb), np.float32)
+        cpu_attention._scores(qs, block, fast, 0, kind)
+        cpu_attention._scores(qs, strided, plain, 0, kind)
+        np.testing.assert_allclose(fast, plain, rtol=2e-5, atol=2e-5 * np.sqrt(dim))
+        w = rng.random((rows, nb)).astype(np.float32)
+        acc0 = rng.standard_normal((rows, dim)).astype(np.float32)
+        fast_acc, plain_acc = acc0.copy(), acc0.copy()
+        cpu_attention._accumulate(w, block, fast_acc, 0, kind, 64)
+        cpu_attention._accumulate(w, strided, plain_acc, 0, kind, 64)
+        np.testing.assert_allclose(fast_acc, plain_acc, rtol=2e-5, atol=2e-5 * np.sqrt(nb))
