@@ -232,8 +232,20 @@ class Engine:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the blocks handed to the store are written (True), or ``timeout``
-        seconds pass (False). Without a store, True at once."""
-        return True if self._tier is None else self._tier.flush(timeout)
+        seconds pass (False). Without a store, True at once. ``timeout``: a number of
+        seconds >= 0, or None to wait as long as it takes."""
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+                raise ArgumentTypeError(
+                    f"timeout must be a number of seconds or None, got {type(timeout).__name__}"
+                )
+            if not timeout >= 0:  # NaN fails too
+                raise InvalidArgumentError(f"timeout must be >= 0 seconds, got {timeout!r}")
+        return (
+            True
+            if self._tier is None
+            else self._tier.flush(float(timeout) if timeout is not None else None)
+        )
 
     def close(self) -> None:
         """Publish what is queued and stop the store's background thread (the engine stays

@@ -299,6 +299,15 @@ def test_engine_store_arguments_are_checked(model):
         Engine(model, store=DictStore(), prefix_caching=False)
     engine = Engine(model)
     assert engine.flush() is True and "store_hit_blocks" not in engine.stats()
+    # flush's timeout, with and without a store: a typed error naming it, nothing waited
+    for e in (engine, Engine(model, store=DictStore())):
+        for bad in ("1", [1], True):
+            with pytest.raises(ArgumentTypeError, match="timeout"):
+                e.flush(timeout=bad)
+        for bad in (-1, -0.5, float("nan")):
+            with pytest.raises(InvalidArgumentError, match="timeout"):
+                e.flush(timeout=bad)
+        assert e.flush(timeout=0) is True and e.flush(timeout=np.float32(1.5)) is True
 
 
 @cpu_engine

@@ -100,10 +100,12 @@ def _scores(qs, kb, s, c0, kind=-1, ahead=0):
     ``ahead`` > 0: while row ``j`` is scored, row ``j + ahead`` is prefetched (past the
     block's end: the caller's next block, when ``kb`` is a slice of contiguous rows).
 
-    Four query rows by two K rows per pass: each K element loaded feeds four dot
-    products and each query element two, eight sums in flight; the loop overhead and the
-    final horizontal sums are shared. (One K row per pass took 2.2x as long at head_dim
-    128, group 4; four K rows per pass gained nothing more.)
+    Four query rows by four K rows per pass: each K element loaded feeds four dot
+    products and each query element four. Where :func:`nbkv.kernels.cpu_simd.tile_ok`
+    holds (float32 queries, head_dim a multiple of 16, unit-stride rows) the pass is
+    :func:`~nbkv.kernels.cpu_simd.score_tile`, in vector IR with one reduction for its
+    16 sums; otherwise the loop below, which LLVM vectorises with a reduction per sum.
+    (One K row per pass took 2.2x as long at head_dim 128, group 4.)
     """
     rows, dim = qs.shape
     nb = kb.shape[0]
@@ -325,10 +327,13 @@ def _accumulate(s, vb, acc, c0, kind=-1, ahead=0):
     (``vb`` may be 16-bit bits, widened as loaded, and ``ahead`` rows prefetched, as in
     :func:`_scores`).
 
-    Four rows by eight positions at a time: each V row loaded is used by four rows and
-    each accumulator loaded is updated by eight positions, so loads and stores per FMA
-    drop eightfold (the plain loop was bound by its stores: 2.5x slower at head_dim 128;
-    four positions at a time, 1.35x slower at four rows).
+    Where :func:`nbkv.kernels.cpu_simd.tile_ok` holds, four rows at a time by
+    :func:`~nbkv.kernels.cpu_simd.accumulate_rows` (vector IR: 4 x 64 accumulators in
+    registers for the whole block; 3.4x faster than the loop below). Otherwise four rows
+    by eight positions at a time: each V row loaded is used by four rows and each
+    accumulator loaded is updated by eight positions, so loads and stores per FMA drop
+    eightfold (the plain loop was bound by its stores: 2.5x slower at head_dim 128; four
+    positions at a time, 1.35x slower at four rows).
     """
     rows, dim = acc.shape
     nb = vb.shape[0]

@@ -148,8 +148,8 @@ def prefetch(typingctx, a, i, j):
     caches ahead of use (``llvm.prefetch``: a hint, never a fault, even out of bounds).
 
     Attention over a long cache alternates memory-bound reads with arithmetic on what was
-    read; without a hint, no read is in flight while the arithmetic runs. Prefetching the
-    next block while this one is computed keeps the memory busy throughout."""
+    read; without a hint, no read is in flight while the arithmetic runs. Prefetching rows
+    a fixed distance ahead as each row is computed keeps the memory busy throughout."""
     if not (isinstance(a, types.Array) and a.ndim == 2):
         return None
     if not (isinstance(i, types.Integer) and isinstance(j, types.Integer)):
