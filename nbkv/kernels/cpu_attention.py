@@ -20,7 +20,7 @@ from numba.extending import overload
 
 from .. import _config
 from .cpu import write_kv, write_kv_bshd
-from .cpu_math import exp32, kind16, prefetch, widen16
+from .cpu_math import exp32, kind16, prefetch_ahead, widen16
 from .cpu_simd import accumulate_rows, score_tile, tile_ok
 
 __all__ = ["attend", "attend_serial", "attend_bshd", "append_attend", "append_attend_bshd"]
@@ -31,11 +31,9 @@ _BLOCK = 64
 # query rows per chunk (group x queries): 128 rows of accumulators at head_dim 128 are
 # 64 KiB, which stay in L2 while the chunk walks the cache
 _CHUNK_ROWS = 128
-# rows prefetched ahead of the row being computed, in the score and value loops: the
-# prefetches spread over the arithmetic (a few lines per K or V row), so that reads stay
-# in flight throughout. Prefetching a whole block at its start, as before, put 1,024
-# requests in the queue at once, most of them dropped or stalled: at 32,768 positions a
-# float16 decode step took 9.7 ms that way and 4.2 ms this way, float32 9.2 and 7.9 ms
+# rows prefetched ahead of the row being computed, in the score and value loops, a few
+# lines per row spread over the arithmetic. A whole block prefetched at its start (1,024
+# lines at once) stalled: 32k float16 decode took 9.7 ms that way, 4.2 ms this way
 _AHEAD = 64
 
 
@@ -116,48 +114,17 @@ def _scores(qs, kb, s, c0, kind=-1, ahead=0):
         j = 0
         while simd and j + 4 <= nb:  # the tile in vector IR (nbkv.kernels.cpu_simd)
             if r == 0:
-                _prefetch_ahead(kb, j, 4, ahead)
+                prefetch_ahead(kb, j, 4, ahead)
             score_tile(qs, r, kb, j, s, c0 + j, kind)
             j += 4
         while j + 4 <= nb:
             if r == 0:  # the first rows' pass reads the block from memory
-                _prefetch_ahead(kb, j, 4, ahead)
-            ka, kc, ke, kg = kb[j], kb[j + 1], kb[j + 2], kb[j + 3]
-            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = qs.dtype.type(0.0)
-            c_0 = c_1 = c_2 = c_3 = e0 = e1 = e2 = e3 = qs.dtype.type(0.0)
-            for d in range(dim):
-                x, y, z, u = (
-                    _val(ka[d], kind),
-                    _val(kc[d], kind),
-                    _val(ke[d], kind),
-                    _val(kg[d], kind),
-                )
-                p0, p1, p2, p3 = q0[d], q1[d], q2[d], q3[d]
-                a0 += p0 * x
-                a1 += p1 * x
-                a2 += p2 * x
-                a3 += p3 * x
-                b0 += p0 * y
-                b1 += p1 * y
-                b2 += p2 * y
-                b3 += p3 * y
-                c_0 += p0 * z
-                c_1 += p1 * z
-                c_2 += p2 * z
-                c_3 += p3 * z
-                e0 += p0 * u
-                e1 += p1 * u
-                e2 += p2 * u
-                e3 += p3 * u
-            j_ = c0 + j
-            s[r, j_], s[r + 1, j_], s[r + 2, j_], s[r + 3, j_] = a0, a1, a2, a3
-            s[r, j_ + 1], s[r + 1, j_ + 1], s[r + 2, j_ + 1], s[r + 3, j_ + 1] = b0, b1, b2, b3
-            s[r, j_ + 2], s[r + 1, j_ + 2], s[r + 2, j_ + 2], s[r + 3, j_ + 2] = c_0, c_1, c_2, c_3
-            s[r, j_ + 3], s[r + 1, j_ + 3], s[r + 2, j_ + 3], s[r + 3, j_ + 3] = e0, e1, e2, e3
+                prefetch_ahead(kb, j, 4, ahead)
+            _scores_4x4(qs, kb, s, c0, kind, r, j)
             j += 4
         while j < nb:  # the last rows of a block not a multiple of four
             if r == 0:
-                _prefetch_ahead(kb, j, 1, ahead)
+                prefetch_ahead(kb, j, 1, ahead)
             ka = kb[j]
             a0 = a1 = a2 = a3 = qs.dtype.type(0.0)
             for d in range(dim):
@@ -173,13 +140,53 @@ def _scores(qs, kb, s, c0, kind=-1, ahead=0):
         qr = qs[r]
         for j in range(nb):
             if r == 0:  # fewer than four rows: this pass is the first
-                _prefetch_ahead(kb, j, 1, ahead)
+                prefetch_ahead(kb, j, 1, ahead)
             kr = kb[j]
             a0 = qr.dtype.type(0.0)
             for d in range(dim):
                 a0 += qr[d] * _val(kr[d], kind)
             s[r, c0 + j] = a0
         r += 1
+
+
+@njit(cache=True, fastmath=_config.FASTMATH)
+def _scores_4x4(qs, kb, s, c0, kind, r, j):
+    """The plain loop's pass of :func:`_scores`: query rows ``r .. r + 3`` against K rows
+    ``j .. j + 3``, sixteen sums in flight, vectorised by LLVM along head_dim."""
+    dim = qs.shape[1]
+    q0, q1, q2, q3 = qs[r], qs[r + 1], qs[r + 2], qs[r + 3]
+    ka, kc, ke, kg = kb[j], kb[j + 1], kb[j + 2], kb[j + 3]
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = qs.dtype.type(0.0)
+    c_0 = c_1 = c_2 = c_3 = e0 = e1 = e2 = e3 = qs.dtype.type(0.0)
+    for d in range(dim):
+        x, y, z, u = (
+            _val(ka[d], kind),
+            _val(kc[d], kind),
+            _val(ke[d], kind),
+            _val(kg[d], kind),
+        )
+        p0, p1, p2, p3 = q0[d], q1[d], q2[d], q3[d]
+        a0 += p0 * x
+        a1 += p1 * x
+        a2 += p2 * x
+        a3 += p3 * x
+        b0 += p0 * y
+        b1 += p1 * y
+        b2 += p2 * y
+        b3 += p3 * y
+        c_0 += p0 * z
+        c_1 += p1 * z
+        c_2 += p2 * z
+        c_3 += p3 * z
+        e0 += p0 * u
+        e1 += p1 * u
+        e2 += p2 * u
+        e3 += p3 * u
+    j_ = c0 + j
+    s[r, j_], s[r + 1, j_], s[r + 2, j_], s[r + 3, j_] = a0, a1, a2, a3
+    s[r, j_ + 1], s[r + 1, j_ + 1], s[r + 2, j_ + 1], s[r + 3, j_ + 1] = b0, b1, b2, b3
+    s[r, j_ + 2], s[r + 1, j_ + 2], s[r + 2, j_ + 2], s[r + 3, j_ + 2] = c_0, c_1, c_2, c_3
+    s[r, j_ + 3], s[r + 1, j_ + 3], s[r + 2, j_ + 3], s[r + 3, j_ + 3] = e0, e1, e2, e3
 
 
 # error_model="numpy": a division by zero gives inf or NaN as IEEE says, never an exception
@@ -240,18 +247,6 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
             inv = 1.0 / denom[r]  # inf when nothing was finite: 0 * inf = NaN out
             for d in range(dim):
                 out[b, h, i0 + r % n_c, d] = acc[r, d] * inv
-
-
-@njit(cache=True)
-def _prefetch_ahead(x, j, n, ahead):
-    """Prefetch rows ``j + ahead .. j + ahead + n - 1`` of ``x`` ([rows, head_dim]), line
-    by line; nothing when ``ahead`` is 0. Rows past ``x``'s end are the memory after it
-    (a prefetch is a hint: it never faults)."""
-    if ahead > 0:
-        step = max(1, 64 // x.itemsize)  # elements per 64-byte cache line
-        for t in range(j + ahead, j + ahead + n):
-            for d in range(0, x.shape[1], step):
-                prefetch(x, t, d)
 
 
 @njit(cache=True)
@@ -348,67 +343,12 @@ def _accumulate(s, vb, acc, c0, kind=-1, ahead=0):
         j = 0
         while j + 8 <= nb:
             if r == 0:
-                _prefetch_ahead(vb, j, 8, ahead)
-            v0, v1, v2, v3 = vb[j], vb[j + 1], vb[j + 2], vb[j + 3]
-            v4, v5, v6, v7 = vb[j + 4], vb[j + 5], vb[j + 6], vb[j + 7]
-            k = c0 + j
-            w00, w01, w02, w03 = s0[k], s0[k + 1], s0[k + 2], s0[k + 3]
-            w04, w05, w06, w07 = s0[k + 4], s0[k + 5], s0[k + 6], s0[k + 7]
-            w10, w11, w12, w13 = s1[k], s1[k + 1], s1[k + 2], s1[k + 3]
-            w14, w15, w16, w17 = s1[k + 4], s1[k + 5], s1[k + 6], s1[k + 7]
-            w20, w21, w22, w23 = s2[k], s2[k + 1], s2[k + 2], s2[k + 3]
-            w24, w25, w26, w27 = s2[k + 4], s2[k + 5], s2[k + 6], s2[k + 7]
-            w30, w31, w32, w33 = s3[k], s3[k + 1], s3[k + 2], s3[k + 3]
-            w34, w35, w36, w37 = s3[k + 4], s3[k + 5], s3[k + 6], s3[k + 7]
-            for d in range(dim):
-                # four running sums, each a chain of eight fused multiply-adds (one
-                # expression per row was 18% slower: a multiply and an add more)
-                t0, t1, t2, t3 = a0[d], a1[d], a2[d], a3[d]
-                x = _val(v0[d], kind)
-                t0 += w00 * x
-                t1 += w10 * x
-                t2 += w20 * x
-                t3 += w30 * x
-                x = _val(v1[d], kind)
-                t0 += w01 * x
-                t1 += w11 * x
-                t2 += w21 * x
-                t3 += w31 * x
-                x = _val(v2[d], kind)
-                t0 += w02 * x
-                t1 += w12 * x
-                t2 += w22 * x
-                t3 += w32 * x
-                x = _val(v3[d], kind)
-                t0 += w03 * x
-                t1 += w13 * x
-                t2 += w23 * x
-                t3 += w33 * x
-                x = _val(v4[d], kind)
-                t0 += w04 * x
-                t1 += w14 * x
-                t2 += w24 * x
-                t3 += w34 * x
-                x = _val(v5[d], kind)
-                t0 += w05 * x
-                t1 += w15 * x
-                t2 += w25 * x
-                t3 += w35 * x
-                x = _val(v6[d], kind)
-                t0 += w06 * x
-                t1 += w16 * x
-                t2 += w26 * x
-                t3 += w36 * x
-                x = _val(v7[d], kind)
-                t0 += w07 * x
-                t1 += w17 * x
-                t2 += w27 * x
-                t3 += w37 * x
-                a0[d], a1[d], a2[d], a3[d] = t0, t1, t2, t3
+                prefetch_ahead(vb, j, 8, ahead)
+            _accumulate_4x8(s, vb, acc, c0, kind, r, j)
             j += 8
         while j < nb:  # the positions left over
             if r == 0:
-                _prefetch_ahead(vb, j, 1, ahead)
+                prefetch_ahead(vb, j, 1, ahead)
             v0 = vb[j]
             w00, w10, w20, w30 = s0[c0 + j], s1[c0 + j], s2[c0 + j], s3[c0 + j]
             for d in range(dim):
@@ -423,11 +363,76 @@ def _accumulate(s, vb, acc, c0, kind=-1, ahead=0):
         a0, s0 = acc[r], s[r]
         for j in range(nb):
             if r == 0:
-                _prefetch_ahead(vb, j, 1, ahead)
+                prefetch_ahead(vb, j, 1, ahead)
             w00, v0 = s0[c0 + j], vb[j]
             for d in range(dim):
                 a0[d] += w00 * _val(v0[d], kind)
         r += 1
+
+
+@njit(cache=True, fastmath=_config.FASTMATH)
+def _accumulate_4x8(s, vb, acc, c0, kind, r, j):
+    """The plain loop's pass of :func:`_accumulate`: V rows ``j .. j + 7`` weighted into
+    accumulator rows ``r .. r + 3``."""
+    dim = acc.shape[1]
+    a0, a1, a2, a3 = acc[r], acc[r + 1], acc[r + 2], acc[r + 3]
+    s0, s1, s2, s3 = s[r], s[r + 1], s[r + 2], s[r + 3]
+    v0, v1, v2, v3 = vb[j], vb[j + 1], vb[j + 2], vb[j + 3]
+    v4, v5, v6, v7 = vb[j + 4], vb[j + 5], vb[j + 6], vb[j + 7]
+    k = c0 + j
+    w00, w01, w02, w03 = s0[k], s0[k + 1], s0[k + 2], s0[k + 3]
+    w04, w05, w06, w07 = s0[k + 4], s0[k + 5], s0[k + 6], s0[k + 7]
+    w10, w11, w12, w13 = s1[k], s1[k + 1], s1[k + 2], s1[k + 3]
+    w14, w15, w16, w17 = s1[k + 4], s1[k + 5], s1[k + 6], s1[k + 7]
+    w20, w21, w22, w23 = s2[k], s2[k + 1], s2[k + 2], s2[k + 3]
+    w24, w25, w26, w27 = s2[k + 4], s2[k + 5], s2[k + 6], s2[k + 7]
+    w30, w31, w32, w33 = s3[k], s3[k + 1], s3[k + 2], s3[k + 3]
+    w34, w35, w36, w37 = s3[k + 4], s3[k + 5], s3[k + 6], s3[k + 7]
+    for d in range(dim):
+        # four running sums, each a chain of eight fused multiply-adds (one
+        # expression per row was 18% slower: a multiply and an add more)
+        t0, t1, t2, t3 = a0[d], a1[d], a2[d], a3[d]
+        x = _val(v0[d], kind)
+        t0 += w00 * x
+        t1 += w10 * x
+        t2 += w20 * x
+        t3 += w30 * x
+        x = _val(v1[d], kind)
+        t0 += w01 * x
+        t1 += w11 * x
+        t2 += w21 * x
+        t3 += w31 * x
+        x = _val(v2[d], kind)
+        t0 += w02 * x
+        t1 += w12 * x
+        t2 += w22 * x
+        t3 += w32 * x
+        x = _val(v3[d], kind)
+        t0 += w03 * x
+        t1 += w13 * x
+        t2 += w23 * x
+        t3 += w33 * x
+        x = _val(v4[d], kind)
+        t0 += w04 * x
+        t1 += w14 * x
+        t2 += w24 * x
+        t3 += w34 * x
+        x = _val(v5[d], kind)
+        t0 += w05 * x
+        t1 += w15 * x
+        t2 += w25 * x
+        t3 += w35 * x
+        x = _val(v6[d], kind)
+        t0 += w06 * x
+        t1 += w16 * x
+        t2 += w26 * x
+        t3 += w36 * x
+        x = _val(v7[d], kind)
+        t0 += w07 * x
+        t1 += w17 * x
+        t2 += w27 * x
+        t3 += w37 * x
+        a0[d], a1[d], a2[d], a3[d] = t0, t1, t2, t3
 
 
 @njit(parallel=True, cache=True)

@@ -35,7 +35,7 @@ from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-__all__ = ["exp32", "widen16", "kind16", "bits32", "float32_of", "prefetch"]
+__all__ = ["exp32", "widen16", "kind16", "bits32", "float32_of", "prefetch", "prefetch_ahead"]
 
 
 @intrinsic
@@ -181,3 +181,15 @@ def prefetch(typingctx, a, i, j):
         return context.get_dummy_value()
 
     return types.none(a, i, j), codegen
+
+
+@njit(cache=True)
+def prefetch_ahead(x, j, n, ahead):
+    """Prefetch rows ``j + ahead .. j + ahead + n - 1`` of ``x`` ([rows, head_dim]), line
+    by line; nothing when ``ahead`` is 0. Rows past ``x``'s end are the memory after it
+    (a prefetch is a hint: it never faults)."""
+    if ahead > 0:
+        step = max(1, 64 // x.itemsize)  # elements per 64-byte cache line
+        for t in range(j + ahead, j + ahead + n):
+            for d in range(0, x.shape[1], step):
+                prefetch(x, t, d)

@@ -21,6 +21,8 @@ to the float64 reference.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
@@ -82,91 +84,92 @@ def _load(builder, ptr, fmt):
     return builder.bitcast(wide, f32v)
 
 
+def _typed(*pairs):
+    """Whether every (numba type, dtype) pair is a 2-D array of that dtype."""
+    return all(isinstance(t, types.Array) and t.ndim == 2 and t.dtype == d for t, d in pairs)
+
+
+def _kdtype(fmt):
+    return types.float32 if fmt == "f32" else types.uint16
+
+
 def _make_tile(fmt):
     """The tile intrinsic for K rows stored as ``fmt`` (see :func:`_load`)."""
-    kdtype = types.float32 if fmt == "f32" else types.uint16
-    ksize = kdtype.bitwidth // 8
 
     @intrinsic
     def tile(typingctx, qs, r, kb, j, s, col):
-        ok = (
-            isinstance(qs, types.Array)
-            and qs.ndim == 2
-            and qs.dtype == types.float32
-            and isinstance(kb, types.Array)
-            and kb.ndim == 2
-            and kb.dtype == kdtype
-            and isinstance(s, types.Array)
-            and s.ndim == 2
-            and s.dtype == types.float32
-        )
-        if not ok:
+        if not _typed((qs, types.float32), (kb, _kdtype(fmt)), (s, types.float32)):
             return None
 
         def codegen(context, builder, signature, args):
-            qty, rty, kty, jty, sty, cty = signature.args
-            qa = context.make_array(qty)(context, builder, args[0])
-            ka = context.make_array(kty)(context, builder, args[2])
-            sa = context.make_array(sty)(context, builder, args[4])
-            intp = context.get_value_type(types.intp)
-            r0 = context.cast(builder, args[1], rty, types.intp)
-            j0 = context.cast(builder, args[3], jty, types.intp)
-            c0 = context.cast(builder, args[5], cty, types.intp)
-            dim = cgutils.unpack_tuple(builder, qa.shape)[1]
-            qrows = [
-                _row_pointer(context, builder, qty, qa, builder.add(r0, intp(i)), intp(0))
-                for i in range(_TILE)
-            ]
-            krows = [
-                _row_pointer(context, builder, kty, ka, builder.add(j0, intp(i)), intp(0))
-                for i in range(_TILE)
-            ]
-            f32v = ir.VectorType(ir.FloatType(), LANES)
-            zero = ir.Constant(f32v, [0.0] * LANES)
-            entry = builder.basic_block
-            loop = builder.append_basic_block("tile.loop")
-            done = builder.append_basic_block("tile.done")
-            builder.branch(loop)
-            builder.position_at_end(loop)
-            # d: the pass's first element; 16 sums of 16 lanes each, one per (row, K row)
-            d = builder.phi(intp)
-            accs = [builder.phi(f32v) for _ in range(_TILE * _TILE)]
-            qv = [_load(builder, builder.gep(p, [builder.mul(d, intp(4))]), "f32") for p in qrows]
-            kv = [_load(builder, builder.gep(p, [builder.mul(d, intp(ksize))]), fmt) for p in krows]
-            new = []
-            for i in range(_TILE):
-                for k in range(_TILE):
-                    prod = builder.fmul(qv[i], kv[k])
-                    prod.flags.append("contract")
-                    total = builder.fadd(accs[i * _TILE + k], prod)
-                    total.flags.append("contract")
-                    new.append(total)
-            d_next = builder.add(d, intp(LANES))
-            builder.cbranch(builder.icmp_signed("<", d_next, dim), loop, done)
-            d.add_incoming(intp(0), entry)
-            d.add_incoming(d_next, loop)
-            for phi, v in zip(accs, new, strict=True):
-                phi.add_incoming(zero, entry)
-                phi.add_incoming(v, loop)
-            builder.position_at_end(done)
-            sums = _reduce_across(builder, new)  # lane i * 4 + k: row i . K row k
-            for i in range(_TILE):
-                for k in range(_TILE):
-                    ptr = _row_pointer(
-                        context,
-                        builder,
-                        sty,
-                        sa,
-                        builder.add(r0, intp(i)),
-                        builder.add(c0, intp(k)),
-                    )
-                    value = builder.extract_element(sums, ir.IntType(32)(i * _TILE + k))
-                    builder.store(value, builder.bitcast(ptr, ir.FloatType().as_pointer()))
+            _tile_codegen(fmt, context, builder, signature, args)
             return context.get_dummy_value()
 
         return types.none(qs, r, kb, j, s, col), codegen
 
     return tile
+
+
+def _tile_codegen(fmt, context, builder, signature, args):
+    """The IR of :func:`score_tile`: a loop over head_dim, 16 lanes a pass, then one
+    transposing reduction and 16 stores."""
+    qty, rty, kty, jty, sty, cty = signature.args
+    qa = context.make_array(qty)(context, builder, args[0])
+    ka = context.make_array(kty)(context, builder, args[2])
+    sa = context.make_array(sty)(context, builder, args[4])
+    intp = context.get_value_type(types.intp)
+    r0 = context.cast(builder, args[1], rty, types.intp)
+    j0 = context.cast(builder, args[3], jty, types.intp)
+    c0 = context.cast(builder, args[5], cty, types.intp)
+    dim = cgutils.unpack_tuple(builder, qa.shape)[1]
+    ksize = _kdtype(fmt).bitwidth // 8
+    qrows = [
+        _row_pointer(context, builder, qty, qa, builder.add(r0, intp(i)), intp(0))
+        for i in range(_TILE)
+    ]
+    krows = [
+        _row_pointer(context, builder, kty, ka, builder.add(j0, intp(i)), intp(0))
+        for i in range(_TILE)
+    ]
+    f32v = ir.VectorType(ir.FloatType(), LANES)
+    entry = builder.basic_block
+    loop = builder.append_basic_block("tile.loop")
+    done = builder.append_basic_block("tile.done")
+    builder.branch(loop)
+    builder.position_at_end(loop)
+    # d: the pass's first element; 16 sums of 16 lanes each, one per (row, K row)
+    d = builder.phi(intp)
+    accs = [builder.phi(f32v) for _ in range(_TILE * _TILE)]
+    qv = [_load(builder, builder.gep(p, [builder.mul(d, intp(4))]), "f32") for p in qrows]
+    kv = [_load(builder, builder.gep(p, [builder.mul(d, intp(ksize))]), fmt) for p in krows]
+    new = [
+        _fma(builder, qv[i], kv[k], accs[i * _TILE + k]) for i in range(_TILE) for k in range(_TILE)
+    ]
+    d_next = builder.add(d, intp(LANES))
+    builder.cbranch(builder.icmp_signed("<", d_next, dim), loop, done)
+    d.add_incoming(intp(0), entry)
+    d.add_incoming(d_next, loop)
+    for phi, v in zip(accs, new, strict=True):
+        phi.add_incoming(ir.Constant(f32v, [0.0] * LANES), entry)
+        phi.add_incoming(v, loop)
+    builder.position_at_end(done)
+    sums = _reduce_across(builder, new)  # lane i * 4 + k: row i . K row k
+    for i in range(_TILE):
+        for k in range(_TILE):
+            ptr = _row_pointer(
+                context, builder, sty, sa, builder.add(r0, intp(i)), builder.add(c0, intp(k))
+            )
+            value = builder.extract_element(sums, ir.IntType(32)(i * _TILE + k))
+            builder.store(value, builder.bitcast(ptr, ir.FloatType().as_pointer()))
+
+
+def _fma(builder, x, y, acc):
+    """``acc + x * y``, contractible into one fused multiply-add."""
+    prod = builder.fmul(x, y)
+    prod.flags.append("contract")
+    total = builder.fadd(acc, prod)
+    total.flags.append("contract")
+    return total
 
 
 _tile_f32 = _make_tile("f32")
@@ -243,119 +246,111 @@ def _splat(builder, x):
 def _make_accumulate(fmt, chunks):
     """The accumulate intrinsic for V rows stored as ``fmt``, ``chunks`` vectors of
     head_dim per pass (4: head_dim a multiple of 64; 1: of 16)."""
-    vdtype = types.float32 if fmt == "f32" else types.uint16
-    vsize = vdtype.bitwidth // 8
-    width = LANES * chunks  # elements of head_dim per pass
 
     @intrinsic
     def accumulate(typingctx, s, r, vb, nb, acc, c0, ahead):
-        ok = (
-            isinstance(s, types.Array)
-            and s.ndim == 2
-            and s.dtype == types.float32
-            and isinstance(vb, types.Array)
-            and vb.ndim == 2
-            and vb.dtype == vdtype
-            and isinstance(acc, types.Array)
-            and acc.ndim == 2
-            and acc.dtype == types.float32
-        )
-        if not ok:
+        if not _typed((s, types.float32), (vb, _kdtype(fmt)), (acc, types.float32)):
             return None
 
         def codegen(context, builder, signature, args):
-            sty, rty, vty, nty, aty, cty, hty = signature.args
-            sa = context.make_array(sty)(context, builder, args[0])
-            va = context.make_array(vty)(context, builder, args[2])
-            aa = context.make_array(aty)(context, builder, args[4])
-            intp = context.get_value_type(types.intp)
-            r0 = context.cast(builder, args[1], rty, types.intp)
-            n = context.cast(builder, args[3], nty, types.intp)
-            c0 = context.cast(builder, args[5], cty, types.intp)
-            ahead = context.cast(builder, args[6], hty, types.intp)
-            dim = cgutils.unpack_tuple(builder, aa.shape)[1]
-            vstride = cgutils.unpack_tuple(builder, va.strides)[0]
-            f32p = ir.FloatType().as_pointer()
-            rows = [builder.add(r0, intp(i)) for i in range(_TILE)]
-            done = builder.append_basic_block("acc.done")
-
-            def nest(with_prefetch):
-                """The loops over head_dim passes and positions; falls through to done."""
-                entry = builder.basic_block
-                outer = builder.append_basic_block("acc.outer")
-                inner = builder.append_basic_block("acc.inner")
-                tail = builder.append_basic_block("acc.tail")
-                builder.branch(outer)
-                builder.position_at_end(outer)
-                d = builder.phi(intp)
-                aptr = [
-                    [
-                        _row_pointer(
-                            context, builder, aty, aa, row, builder.add(d, intp(LANES * c))
-                        )
-                        for c in range(chunks)
-                    ]
-                    for row in rows
-                ]
-                start = [[_load(builder, p, "f32") for p in ptrs] for ptrs in aptr]
-                builder.branch(inner)
-                builder.position_at_end(inner)
-                j = builder.phi(intp)
-                f32v = ir.VectorType(ir.FloatType(), LANES)
-                sums = [[builder.phi(f32v) for _ in range(chunks)] for _ in rows]
-                vrow = _row_pointer(context, builder, vty, va, j, d)
-                if with_prefetch:
-                    far = builder.gep(vrow, [builder.mul(ahead, vstride)])
-                    for line in range(0, width * vsize, 64):
-                        _prefetch(builder, builder.gep(far, [intp(line)]))
-                v = [
-                    _load(builder, builder.gep(vrow, [intp(LANES * c * vsize)]), fmt)
-                    for c in range(chunks)
-                ]
-                new = []
-                for i, row in enumerate(rows):
-                    wptr = _row_pointer(context, builder, sty, sa, row, builder.add(c0, j))
-                    w = _splat(builder, builder.load(builder.bitcast(wptr, f32p), align=4))
-                    out = []
-                    for c in range(chunks):
-                        prod = builder.fmul(w, v[c])
-                        prod.flags.append("contract")
-                        total = builder.fadd(sums[i][c], prod)
-                        total.flags.append("contract")
-                        out.append(total)
-                    new.append(out)
-                j_next = builder.add(j, intp(1))
-                builder.cbranch(builder.icmp_signed("<", j_next, n), inner, tail)
-                j.add_incoming(intp(0), outer)
-                j.add_incoming(j_next, inner)
-                for i in range(_TILE):
-                    for c in range(chunks):
-                        sums[i][c].add_incoming(start[i][c], outer)
-                        sums[i][c].add_incoming(new[i][c], inner)
-                builder.position_at_end(tail)
-                for i in range(_TILE):
-                    for c in range(chunks):
-                        ptr = builder.bitcast(aptr[i][c], f32v.as_pointer())
-                        builder.store(new[i][c], ptr, align=4)
-                d_next = builder.add(d, intp(width))
-                builder.cbranch(builder.icmp_signed("<", d_next, dim), outer, done)
-                d.add_incoming(intp(0), entry)
-                d.add_incoming(d_next, tail)
-
-            # two copies of the loops, with prefetches and without: no test inside them
-            with_pf = builder.append_basic_block("acc.prefetching")
-            plain = builder.append_basic_block("acc.plain")
-            builder.cbranch(builder.icmp_signed(">", ahead, intp(0)), with_pf, plain)
-            builder.position_at_end(with_pf)
-            nest(True)
-            builder.position_at_end(plain)
-            nest(False)
-            builder.position_at_end(done)
+            _accumulate_codegen(fmt, chunks, context, builder, signature, args)
             return context.get_dummy_value()
 
         return types.none(s, r, vb, nb, acc, c0, ahead), codegen
 
     return accumulate
+
+
+def _accumulate_codegen(fmt, chunks, context, builder, signature, args):
+    """The IR of :func:`accumulate_rows`: two copies of its loops, with prefetches and
+    without, chosen once by ``ahead`` (no test inside them)."""
+    sty, rty, vty, nty, aty, cty, hty = signature.args
+    intp = context.get_value_type(types.intp)
+    r0 = context.cast(builder, args[1], rty, types.intp)
+    g = SimpleNamespace(
+        context=context,
+        builder=builder,
+        fmt=fmt,
+        chunks=chunks,
+        intp=intp,
+        tys=(sty, vty, aty),
+        arrays=[
+            context.make_array(t)(context, builder, v)
+            for t, v in zip((sty, vty, aty), (args[0], args[2], args[4]), strict=True)
+        ],
+        rows=[builder.add(r0, intp(i)) for i in range(_TILE)],
+        n=context.cast(builder, args[3], nty, types.intp),
+        c0=context.cast(builder, args[5], cty, types.intp),
+        ahead=context.cast(builder, args[6], hty, types.intp),
+        done=builder.append_basic_block("acc.done"),
+    )
+    with_pf = builder.append_basic_block("acc.prefetching")
+    plain = builder.append_basic_block("acc.plain")
+    builder.cbranch(builder.icmp_signed(">", g.ahead, intp(0)), with_pf, plain)
+    builder.position_at_end(with_pf)
+    _accumulate_loops(g, True)
+    builder.position_at_end(plain)
+    _accumulate_loops(g, False)
+    builder.position_at_end(g.done)
+
+
+def _accumulate_loops(g, with_prefetch):
+    """The loops of :func:`accumulate_rows`, over passes of head_dim and, inside, over the
+    block's positions with the pass's accumulators in registers; ends in ``g.done``."""
+    context, builder, intp, chunks = g.context, g.builder, g.intp, g.chunks
+    (sty, vty, aty), (sa, va, aa) = g.tys, g.arrays
+    vsize = _kdtype(g.fmt).bitwidth // 8
+    dim = cgutils.unpack_tuple(builder, aa.shape)[1]
+    vstride = cgutils.unpack_tuple(builder, va.strides)[0]
+    f32v = ir.VectorType(ir.FloatType(), LANES)
+    entry = builder.basic_block
+    outer = builder.append_basic_block("acc.outer")
+    inner = builder.append_basic_block("acc.inner")
+    tail = builder.append_basic_block("acc.tail")
+    builder.branch(outer)
+    builder.position_at_end(outer)
+    d = builder.phi(intp)  # the pass's first element of head_dim
+    aptr = [
+        [
+            _row_pointer(context, builder, aty, aa, row, builder.add(d, intp(LANES * c)))
+            for c in range(chunks)
+        ]
+        for row in g.rows
+    ]
+    start = [[_load(builder, p, "f32") for p in ptrs] for ptrs in aptr]
+    builder.branch(inner)
+    builder.position_at_end(inner)
+    j = builder.phi(intp)  # the position
+    sums = [[builder.phi(f32v) for _ in range(chunks)] for _ in g.rows]
+    vrow = _row_pointer(context, builder, vty, va, j, d)
+    if with_prefetch:  # this pass's lines of row j + ahead
+        far = builder.gep(vrow, [builder.mul(g.ahead, vstride)])
+        for line in range(0, LANES * chunks * vsize, 64):
+            _prefetch(builder, builder.gep(far, [intp(line)]))
+    v = [_load(builder, builder.gep(vrow, [intp(LANES * c * vsize)]), g.fmt) for c in range(chunks)]
+    new = []
+    for i, row in enumerate(g.rows):
+        wptr = _row_pointer(context, builder, sty, sa, row, builder.add(g.c0, j))
+        w = _splat(
+            builder, builder.load(builder.bitcast(wptr, ir.FloatType().as_pointer()), align=4)
+        )
+        new.append([_fma(builder, w, v[c], sums[i][c]) for c in range(chunks)])
+    j_next = builder.add(j, intp(1))
+    builder.cbranch(builder.icmp_signed("<", j_next, g.n), inner, tail)
+    j.add_incoming(intp(0), outer)
+    j.add_incoming(j_next, inner)
+    for i in range(_TILE):
+        for c in range(chunks):
+            sums[i][c].add_incoming(start[i][c], outer)
+            sums[i][c].add_incoming(new[i][c], inner)
+    builder.position_at_end(tail)
+    for i in range(_TILE):
+        for c in range(chunks):
+            builder.store(new[i][c], builder.bitcast(aptr[i][c], f32v.as_pointer()), align=4)
+    d_next = builder.add(d, intp(LANES * chunks))
+    builder.cbranch(builder.icmp_signed("<", d_next, dim), outer, g.done)
+    d.add_incoming(intp(0), entry)
+    d.add_incoming(d_next, tail)
 
 
 _ACCUMULATE = {
