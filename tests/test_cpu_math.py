@@ -14,7 +14,7 @@ import nbkv
 from nbkv import _config, reference
 from nbkv.dtypes import kernel_dtype, resolve_dtype, widen_table
 from nbkv.kernels import cpu_attention
-from nbkv.kernels.cpu_math import exp32, kind16, prefetch, widen16
+from nbkv.kernels.cpu_math import exp32, kind16, prefetch, target_features, widen16
 
 from conftest import cpu_only
 
@@ -50,7 +50,15 @@ def test_exp32_is_within_a_few_ulp_of_float64_exp(rng, loop):
     loop(x, got)
     want = np.exp(x.astype(np.float64))
     rel = np.abs(got - want) / want
-    assert rel.max() <= 8 * ULP, f"worst at x = {x[np.argmax(rel)]}: {rel.max() / ULP:.1f} ulp"
+    # 8 ulp, plus what the licence to reassociate may cost where the CPU has no FMA
+    # (NUMBA_CPU_NAME=generic): n ln2 rounded to float32, |x| * 2**-24 (the module
+    # docstring). With FMA the reduction contracts first and the 8 ulp hold alone. The
+    # strict loop gets the allowance too: Numba compiles exp32 once per signature, with
+    # the flags of whichever caller came first (here the fastmath one)
+    fold = 0.0 if "+fma" in target_features() else 2.0**-24
+    bound = 8 * ULP + np.abs(x.astype(np.float64)) * fold
+    worst = np.argmax(rel / bound)
+    assert rel[worst] <= bound[worst], f"worst at x = {x[worst]}: {rel[worst] / ULP:.1f} ulp"
 
 
 @pytest.mark.parametrize("loop", [_exp_fast, _exp_strict], ids=["fastmath", "strict"])

@@ -9,11 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from numba import njit
+from numba.core import config
 
 from nbkv.dtypes import kernel_dtype, resolve_dtype, widen_table
 from nbkv.kernels import cpu_attention
 from nbkv.kernels.cpu_math import kind16
-from nbkv.kernels.cpu_simd import LANES, accumulate_rows, score_tile, tile_ok
+from nbkv.kernels.cpu_simd import LANES, accumulate_rows, score_tile, tile_lanes, tile_ok
 
 from conftest import cpu_only
 
@@ -106,6 +107,17 @@ def test_tile_ok_names_where_the_vector_paths_apply():
     assert not _ok(f32, np.zeros((8, 128), np.float32)[:, ::2])  # not unit-stride
     assert not _ok(np.zeros((4, 128), np.float32)[:, ::2], np.zeros((8, 64), np.float32))
     assert not _ok(f32, np.zeros((8, 32), np.float32))  # head_dims differ
+
+
+def test_tile_lanes_follow_the_features_numba_compiles_for(monkeypatch):
+    for features, lanes in (
+        ("+avx2,+fma,+avx512f", 16),
+        ("+avx,+avx2,+fma,-avx512f", 8),
+        ("+sse4.2", 4),
+        ("", 4),  # NUMBA_CPU_NAME=generic
+    ):
+        monkeypatch.setattr(config, "CPU_FEATURES", features)
+        assert tile_lanes() == lanes, features
 
 
 @pytest.mark.parametrize("name", FORMATS)

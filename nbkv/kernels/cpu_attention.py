@@ -324,11 +324,11 @@ def _accumulate(s, vb, acc, c0, kind=-1, ahead=0):
 
     Where :func:`nbkv.kernels.cpu_simd.tile_ok` holds, four rows at a time by
     :func:`~nbkv.kernels.cpu_simd.accumulate_rows` (vector IR: 4 x 64 accumulators in
-    registers for the whole block; 3.4x faster than the loop below). Otherwise four rows
-    by eight positions at a time: each V row loaded is used by four rows and each
-    accumulator loaded is updated by eight positions, so loads and stores per FMA drop
-    eightfold (the plain loop was bound by its stores: 2.5x slower at head_dim 128; four
-    positions at a time, 1.35x slower at four rows).
+    registers for the whole block, fewer on narrower targets; 3.4x faster than the loop
+    below). Otherwise four rows by eight positions at a time: each V row loaded is used
+    by four rows and each accumulator loaded is updated by eight positions, so loads and
+    stores per FMA drop eightfold (the plain loop was bound by its stores: 2.5x slower at
+    head_dim 128; four positions at a time, 1.35x slower at four rows).
     """
     rows, dim = acc.shape
     nb = vb.shape[0]

@@ -17,25 +17,42 @@ into the caller's loop.
   notices), above it infinity; ``-inf`` gives exactly 0, ``NaN`` gives NaN.
 - :func:`widen16` turns the ``uint16`` bits of a float16 (``kind`` 0) into float32 by
   the CPU's own conversion (``vcvtph2ps`` with F16C, exact for every pattern: subnormals,
-  infinities and NaN payloads), and those of a bfloat16 (``kind`` 1) by a 16-bit shift.
+  infinities and NaN payloads), or where the target CPU has none (``NUMBA_CPU_NAME=
+  generic``) by integer arithmetic that is exact too (:func:`half_to_float_ir`); and
+  those of a bfloat16 (``kind`` 1) by a 16-bit shift.
 - :func:`kind16` tells the two formats apart from a widening table
   (:func:`nbkv.dtypes.widen_table`), the argument the kernels have always taken.
 
 Safe under the kernels' ``fastmath`` flags (which Numba passes on to what a fastmath
 function calls): the rounding in :func:`exp32` is ``floor`` and an integer conversion,
-which no reassociation touches; folding ``ln2``'s two parts into one costs at most
-``|n| * 2**-25`` relative error, and only for weights below ``exp(-8)``.
+which no reassociation touches. Where the CPU has FMA, the two steps of the reduction
+contract into FMAs and stay exact; where it has none (``NUMBA_CPU_NAME=generic``), LLVM
+may reassociate them into ``x - (n ln2_hi + n ln2_lo)``, rounding ``n ln2`` to float32:
+up to ``|x| * 2**-24`` more relative error (68 ulp at ``x = -72``, a weight of 5e-32;
+under 1.2e-6 where ``|x| < 20``, the weights that count).
 """
 
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit
-from numba.core import cgutils, types
+from numba.core import cgutils, config, types
 from numba.extending import intrinsic
 
-__all__ = ["exp32", "widen16", "kind16", "bits32", "float32_of", "prefetch", "prefetch_ahead"]
+__all__ = [
+    "exp32",
+    "widen16",
+    "kind16",
+    "bits32",
+    "float32_of",
+    "prefetch",
+    "prefetch_ahead",
+    "hardware_half",
+    "half_to_float_ir",
+    "target_features",
+]
 
 
 @intrinsic
@@ -62,15 +79,74 @@ def float32_of(typingctx, u):
     return types.float32(types.uint32), codegen
 
 
+def hardware_half() -> bool:
+    """Whether the CPU Numba compiles for converts float16 to float32 in one instruction:
+    x86 with F16C (``vcvtph2ps``, every x86-64 CPU since 2013), or 64-bit Arm. Read from
+    the target Numba compiles for, not the host: ``NUMBA_CPU_NAME=generic`` (portable
+    caches) has no F16C. Where this is False, LLVM would lower ``fpext half`` to a call
+    of compiler-rt's ``__extendhfsf2``, which Numba's JIT cannot resolve: the process
+    aborts. :func:`half_to_float_ir` then converts by integer arithmetic instead."""
+    arch = llvm.get_process_triple().split("-")[0]
+    if arch in ("aarch64", "arm64"):
+        return True
+    return arch in ("x86_64", "amd64") and "+f16c" in target_features()
+
+
+def target_features() -> frozenset[str]:
+    """The LLVM feature flags (``"+avx2"``, ``"+f16c"``, ...) of the CPU Numba compiles
+    for: ``NUMBA_CPU_FEATURES`` where set (empty under ``NUMBA_CPU_NAME=generic``), else
+    the host's, whatever the CPU name (Numba's own rule)."""
+    features = config.CPU_FEATURES
+    if features is None:
+        features = llvm.get_host_cpu_features().flatten()
+    return frozenset(f for f in features.split(",") if f)
+
+
+# 2**-14, float16's smallest normal: a subnormal's bits, given that exponent, minus it
+_HALF_MAGIC = 2.0**-14
+
+
+def half_to_float_ir(builder, bits, hardware=None):
+    """The float32 values of float16 bits ``bits`` (an LLVM ``i16`` or ``<n x i16>``):
+    ``fpext`` where :func:`hardware_half` (or ``hardware``) says the CPU converts, else
+    branch-free integer arithmetic, exact for every pattern (F. Giesen's conversion:
+    shift exponent and mantissa into place, rebias the exponent, give infinities and
+    NaNs the top exponent, renormalise subnormals by one float subtraction; NaN payloads
+    kept). Both vectorise."""
+    n = bits.type.count if isinstance(bits.type, ir.VectorType) else None
+
+    def ty(t):
+        return t if n is None else ir.VectorType(t, n)
+
+    f32 = ty(ir.FloatType())
+    if hardware_half() if hardware is None else hardware:
+        return builder.fpext(builder.bitcast(bits, ty(ir.HalfType())), f32)
+    i32 = ty(ir.IntType(32))
+
+    def c(v):
+        return ir.Constant(i32, v)
+
+    h = builder.zext(bits, i32)
+    o = builder.shl(builder.and_(h, c(0x7FFF)), c(13))  # exponent and mantissa
+    e = builder.and_(o, c(0x7C00 << 13))
+    normal = builder.add(o, c((127 - 15) << 23))
+    special = builder.add(normal, c((128 - 16) << 23))  # infinity and NaN: exponent 255
+    tiny = builder.bitcast(builder.add(normal, c(1 << 23)), f32)
+    tiny = builder.bitcast(builder.fsub(tiny, ir.Constant(f32, _HALF_MAGIC)), i32)
+    r = builder.select(builder.icmp_unsigned("==", e, c(0x7C00 << 13)), special, normal)
+    r = builder.select(builder.icmp_unsigned("==", e, c(0)), tiny, r)
+    r = builder.or_(r, builder.shl(builder.and_(h, c(0x8000)), c(16)))  # the sign
+    return builder.bitcast(r, f32)
+
+
 @intrinsic
 def _half_to_float(typingctx, u):
-    """float16 bits (uint16) to float32 by LLVM's ``fpext half``: the CPU's conversion."""
+    """float16 bits (uint16) to float32 (:func:`half_to_float_ir`)."""
     if u != types.uint16:
         return None
 
     def codegen(context, builder, signature, args):
-        half = builder.bitcast(args[0], ir.HalfType())
-        return builder.fpext(half, ir.FloatType())
+        return half_to_float_ir(builder, args[0])
 
     return types.float32(types.uint16), codegen
 

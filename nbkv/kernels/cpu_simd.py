@@ -9,10 +9,17 @@ sums the 16 vectors together instead, a transposing reduction: each step shuffle
 vectors into one holding half of each, so 16 vectors of 16 lanes become one vector of 16
 sums in 15 additions and 30 shuffles.
 
-The vectors are ``<16 x float>``: one AVX-512 register, two AVX2 ones (LLVM splits them
-where the CPU is narrower). Multiplies and adds carry LLVM's ``contract`` flag, so they
-fuse into FMAs where the CPU has them. 16-bit K rows are widened as they are loaded:
-float16 by ``fpext`` (``vcvtph2ps``), bfloat16 by a 16-bit shift.
+The vectors are ``<16 x float>`` where the CPU Numba compiles for has AVX-512: a 4 x 4
+tile's 16 accumulators and what feeds them fill its 32 registers. Narrower targets have
+16 registers, and the same shapes spilled (compiled for AVX2, the tile took 1.9x the
+plain loop's time), so the shapes follow the target (:func:`tile_lanes`): with AVX,
+groups of 4 x 2 dot products in ``<8 x float>`` and V passes of 16 elements; otherwise
+(SSE, NEON) 4 x 1 in ``<4 x float>`` and passes of 8. ``tests/test_cpu_targets.py`` runs
+the kernels compiled for AVX2 and for x86-64's SSE2 baseline. Multiplies and adds carry
+LLVM's ``contract`` flag, so they fuse into FMAs where the CPU has them. 16-bit K rows
+are widened as they are loaded: float16 by ``fpext`` (``vcvtph2ps``; integer arithmetic
+where the target has no F16C, see :func:`nbkv.kernels.cpu_math.half_to_float_ir`),
+bfloat16 by a 16-bit shift.
 
 The summation order differs from the scalar loop's (lanes first, then the vectors), so
 scores agree with it to float32 rounding, not bit for bit; the attention tests hold both
@@ -24,24 +31,28 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from llvmlite import ir
+from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["LANES", "accumulate_rows", "score_tile", "tile_ok"]
+from .cpu_math import half_to_float_ir, target_features
+
+__all__ = ["LANES", "accumulate_rows", "score_tile", "tile_lanes", "tile_ok"]
 
 LANES = 16  # float32 lanes per vector
 _TILE = 4  # query rows, and K rows, per tile
 
 
-def _reduce_across(builder, vecs):
-    """One vector whose lane ``t`` is the sum of ``vecs[t]``'s lanes (16 vectors of 16)."""
-    level = [(v, 1) for v in vecs]  # (vector, items it holds, each over 16 / items lanes)
+def _reduce_across(builder, vecs, lanes=LANES):
+    """One vector whose lane ``t`` is the sum of ``vecs[t]``'s lanes (``lanes`` vectors of
+    ``lanes``)."""
+    level = [(v, 1) for v in vecs]  # (vector, items it holds, each over lanes / items)
     while len(level) > 1:
         nxt = []
         for (a, n), (b, _) in zip(level[0::2], level[1::2], strict=True):
-            w = LANES // n  # lanes per item now; each item keeps half of them
+            w = lanes // n  # lanes per item now; each item keeps half of them
             low, high = [], []
-            for src in (0, LANES):  # a's items, then b's (b's lanes are 16..31)
+            for src in (0, lanes):  # a's items, then b's (b's lanes follow a's)
                 for k in range(n):
                     base = src + k * w
                     low.extend(range(base, base + w // 2))
@@ -70,16 +81,17 @@ def _row_pointer(context, builder, aty, ary, row, col):
     return builder.gep(base, [off])
 
 
-def _load(builder, ptr, fmt):
-    """16 elements at ``ptr`` (``i8*``) as ``<16 x float>``; ``fmt``: "f32", "f16", "bf16"."""
-    f32v = ir.VectorType(ir.FloatType(), LANES)
+def _load(builder, ptr, fmt, lanes=LANES):
+    """``lanes`` elements at ``ptr`` (``i8*``) as ``<lanes x float>``; ``fmt``: "f32",
+    "f16", "bf16"."""
+    f32v = ir.VectorType(ir.FloatType(), lanes)
     if fmt == "f32":
         return builder.load(builder.bitcast(ptr, f32v.as_pointer()), align=4)
-    i16v = ir.VectorType(ir.IntType(16), LANES)
+    i16v = ir.VectorType(ir.IntType(16), lanes)
     bits = builder.load(builder.bitcast(ptr, i16v.as_pointer()), align=2)
     if fmt == "f16":
-        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), f32v)
-    i32v = ir.VectorType(ir.IntType(32), LANES)
+        return half_to_float_ir(builder, bits)  # fpext where the CPU converts float16
+    i32v = ir.VectorType(ir.IntType(32), lanes)
     wide = builder.shl(builder.zext(bits, i32v), ir.Constant(i32v, 16))
     return builder.bitcast(wide, f32v)
 
@@ -111,8 +123,10 @@ def _make_tile(fmt):
 
 
 def _tile_codegen(fmt, context, builder, signature, args):
-    """The IR of :func:`score_tile`: a loop over head_dim, 16 lanes a pass, then one
-    transposing reduction and 16 stores."""
+    """The IR of :func:`score_tile`: per group of K rows, a loop over head_dim, one
+    transposing reduction and the group's stores. On AVX-512 one group of four K rows by
+    16 lanes; narrower targets (:func:`tile_lanes`) take groups of two by 8 lanes (AVX)
+    or one by 4, so that the accumulators fit their 16 registers."""
     qty, rty, kty, jty, sty, cty = signature.args
     qa = context.make_array(qty)(context, builder, args[0])
     ka = context.make_array(kty)(context, builder, args[2])
@@ -123,44 +137,70 @@ def _tile_codegen(fmt, context, builder, signature, args):
     c0 = context.cast(builder, args[5], cty, types.intp)
     dim = cgutils.unpack_tuple(builder, qa.shape)[1]
     ksize = _kdtype(fmt).bitwidth // 8
+    lanes = tile_lanes()
+    cols = lanes // _TILE  # K rows per group: rows x cols vectors, reduced to one
     qrows = [
         _row_pointer(context, builder, qty, qa, builder.add(r0, intp(i)), intp(0))
         for i in range(_TILE)
     ]
-    krows = [
-        _row_pointer(context, builder, kty, ka, builder.add(j0, intp(i)), intp(0))
-        for i in range(_TILE)
-    ]
-    f32v = ir.VectorType(ir.FloatType(), LANES)
-    entry = builder.basic_block
-    loop = builder.append_basic_block("tile.loop")
-    done = builder.append_basic_block("tile.done")
-    builder.branch(loop)
-    builder.position_at_end(loop)
-    # d: the pass's first element; 16 sums of 16 lanes each, one per (row, K row)
-    d = builder.phi(intp)
-    accs = [builder.phi(f32v) for _ in range(_TILE * _TILE)]
-    qv = [_load(builder, builder.gep(p, [builder.mul(d, intp(4))]), "f32") for p in qrows]
-    kv = [_load(builder, builder.gep(p, [builder.mul(d, intp(ksize))]), fmt) for p in krows]
-    new = [
-        _fma(builder, qv[i], kv[k], accs[i * _TILE + k]) for i in range(_TILE) for k in range(_TILE)
-    ]
-    d_next = builder.add(d, intp(LANES))
-    builder.cbranch(builder.icmp_signed("<", d_next, dim), loop, done)
-    d.add_incoming(intp(0), entry)
-    d.add_incoming(d_next, loop)
-    for phi, v in zip(accs, new, strict=True):
-        phi.add_incoming(ir.Constant(f32v, [0.0] * LANES), entry)
-        phi.add_incoming(v, loop)
-    builder.position_at_end(done)
-    sums = _reduce_across(builder, new)  # lane i * 4 + k: row i . K row k
-    for i in range(_TILE):
-        for k in range(_TILE):
-            ptr = _row_pointer(
-                context, builder, sty, sa, builder.add(r0, intp(i)), builder.add(c0, intp(k))
-            )
-            value = builder.extract_element(sums, ir.IntType(32)(i * _TILE + k))
-            builder.store(value, builder.bitcast(ptr, ir.FloatType().as_pointer()))
+    f32v = ir.VectorType(ir.FloatType(), lanes)
+    for k0 in range(0, _TILE, cols):
+        krows = [
+            _row_pointer(context, builder, kty, ka, builder.add(j0, intp(k0 + k)), intp(0))
+            for k in range(cols)
+        ]
+        entry = builder.basic_block
+        loop = builder.append_basic_block("tile.loop")
+        done = builder.append_basic_block("tile.done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        # d: the pass's first element; one sum of `lanes` lanes per (row, K row)
+        d = builder.phi(intp)
+        accs = [builder.phi(f32v) for _ in range(_TILE * cols)]
+        qv = [
+            _load(builder, builder.gep(p, [builder.mul(d, intp(4))]), "f32", lanes) for p in qrows
+        ]
+        kv = [
+            _load(builder, builder.gep(p, [builder.mul(d, intp(ksize))]), fmt, lanes) for p in krows
+        ]
+        new = [
+            _fma(builder, qv[i], kv[k], accs[i * cols + k])
+            for i in range(_TILE)
+            for k in range(cols)
+        ]
+        d_next = builder.add(d, intp(lanes))
+        builder.cbranch(builder.icmp_signed("<", d_next, dim), loop, done)
+        d.add_incoming(intp(0), entry)
+        d.add_incoming(d_next, loop)
+        for phi, v in zip(accs, new, strict=True):
+            phi.add_incoming(ir.Constant(f32v, [0.0] * lanes), entry)
+            phi.add_incoming(v, loop)
+        builder.position_at_end(done)
+        sums = _reduce_across(builder, new, lanes)  # lane i * cols + k: row i . K row k0 + k
+        for i in range(_TILE):
+            for k in range(cols):
+                ptr = _row_pointer(
+                    context,
+                    builder,
+                    sty,
+                    sa,
+                    builder.add(r0, intp(i)),
+                    builder.add(c0, intp(k0 + k)),
+                )
+                value = builder.extract_element(sums, ir.IntType(32)(i * cols + k))
+                builder.store(value, builder.bitcast(ptr, ir.FloatType().as_pointer()))
+
+
+def tile_lanes() -> int:
+    """float32 lanes per vector in :func:`score_tile` for the CPU Numba compiles for: 16
+    with AVX-512 (32 registers of 16), 8 with AVX (16 registers of 8), 4 otherwise (SSE,
+    NEON). A group of K rows takes ``lanes // 4`` of them, so that the 4 x ``lanes // 4``
+    accumulators reduce to one vector and fit the registers: 16 accumulators of 16 lanes
+    on AVX2 spilled, 1.9x slower than the plain loop."""
+    features = target_features()
+    if "+avx512f" in features:
+        return 16
+    return 8 if "+avx" in features else 4
 
 
 def _fma(builder, x, y, acc):
@@ -206,26 +246,35 @@ def _score_tile_impl(qs, r, kb, j, s, col, kind):
 
 
 def tile_ok(qs, kb):
-    """Whether :func:`score_tile` applies to these arrays. By the overload."""
+    """Whether :func:`score_tile` and :func:`accumulate_rows` apply to these arrays:
+    float32 ``qs``; float32 or 16-bit ``kb``; head_dim a multiple of 16, shared; unit-stride
+    rows. By the overload."""
     raise NotImplementedError  # pragma: no cover - only called from compiled code
+
+
+def _types_ok(a, b):
+    """Whether the arrays' types can qualify: float32 ``a``, float32 or 16-bit ``b``."""
+    return a.dtype == types.float32 and b.dtype in (types.float32, types.uint16)
+
+
+@njit(cache=True)
+def _shapes_ok(a, b):
+    """head_dim a multiple of 16 (and shared), rows unit-stride."""
+    dim = a.shape[1]
+    return (
+        dim >= LANES
+        and dim % LANES == 0
+        and b.shape[1] == dim
+        and a.strides[1] == a.itemsize
+        and b.strides[1] == b.itemsize
+    )
 
 
 @overload(tile_ok, jit_options={"cache": True})
 def _tile_ok_impl(qs, kb):
-    if qs.dtype != types.float32 or kb.dtype not in (types.float32, types.uint16):
+    if not _types_ok(qs, kb):  # decided when compiled, for the target
         return lambda qs, kb: False
-
-    def ok(qs, kb):
-        dim = qs.shape[1]
-        return (
-            dim >= LANES
-            and dim % LANES == 0
-            and kb.shape[1] == dim
-            and qs.strides[1] == qs.itemsize
-            and kb.strides[1] == kb.itemsize
-        )
-
-    return ok
+    return lambda qs, kb: _shapes_ok(qs, kb)
 
 
 def _prefetch(builder, ptr):
@@ -236,16 +285,18 @@ def _prefetch(builder, ptr):
     builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
 
 
-def _splat(builder, x):
-    """A float broadcast to every lane of a ``<16 x float>``."""
-    f32v = ir.VectorType(ir.FloatType(), LANES)
+def _splat(builder, x, lanes):
+    """A float broadcast to every lane of a ``<lanes x float>``."""
+    f32v = ir.VectorType(ir.FloatType(), lanes)
     one = builder.insert_element(ir.Constant(f32v, None), x, ir.IntType(32)(0))
-    return builder.shuffle_vector(one, ir.Constant(f32v, None), _mask([0] * LANES))
+    return builder.shuffle_vector(one, ir.Constant(f32v, None), _mask([0] * lanes))
 
 
 def _make_accumulate(fmt, chunks):
-    """The accumulate intrinsic for V rows stored as ``fmt``, ``chunks`` vectors of
-    head_dim per pass (4: head_dim a multiple of 64; 1: of 16)."""
+    """The accumulate intrinsic for V rows stored as ``fmt``, ``chunks`` x 16 elements of
+    head_dim per pass (4: head_dim a multiple of 64; 1: of 16). Narrower targets
+    (:func:`tile_lanes` below 16) take passes of two of their vectors, 16 or 8 elements,
+    whichever ``chunks``: 4 x 2 accumulators and what feeds them fit 16 registers."""
 
     @intrinsic
     def accumulate(typingctx, s, r, vb, nb, acc, c0, ahead):
@@ -267,11 +318,13 @@ def _accumulate_codegen(fmt, chunks, context, builder, signature, args):
     sty, rty, vty, nty, aty, cty, hty = signature.args
     intp = context.get_value_type(types.intp)
     r0 = context.cast(builder, args[1], rty, types.intp)
+    lanes = tile_lanes()
     g = SimpleNamespace(
         context=context,
         builder=builder,
         fmt=fmt,
-        chunks=chunks,
+        lanes=lanes,
+        chunks=chunks if lanes == LANES else 2,  # vectors per row and pass
         intp=intp,
         tys=(sty, vty, aty),
         arrays=[
@@ -297,12 +350,12 @@ def _accumulate_codegen(fmt, chunks, context, builder, signature, args):
 def _accumulate_loops(g, with_prefetch):
     """The loops of :func:`accumulate_rows`, over passes of head_dim and, inside, over the
     block's positions with the pass's accumulators in registers; ends in ``g.done``."""
-    context, builder, intp, chunks = g.context, g.builder, g.intp, g.chunks
+    context, builder, intp, chunks, lanes = g.context, g.builder, g.intp, g.chunks, g.lanes
     (sty, vty, aty), (sa, va, aa) = g.tys, g.arrays
     vsize = _kdtype(g.fmt).bitwidth // 8
     dim = cgutils.unpack_tuple(builder, aa.shape)[1]
     vstride = cgutils.unpack_tuple(builder, va.strides)[0]
-    f32v = ir.VectorType(ir.FloatType(), LANES)
+    f32v = ir.VectorType(ir.FloatType(), lanes)
     entry = builder.basic_block
     outer = builder.append_basic_block("acc.outer")
     inner = builder.append_basic_block("acc.inner")
@@ -312,12 +365,12 @@ def _accumulate_loops(g, with_prefetch):
     d = builder.phi(intp)  # the pass's first element of head_dim
     aptr = [
         [
-            _row_pointer(context, builder, aty, aa, row, builder.add(d, intp(LANES * c)))
+            _row_pointer(context, builder, aty, aa, row, builder.add(d, intp(lanes * c)))
             for c in range(chunks)
         ]
         for row in g.rows
     ]
-    start = [[_load(builder, p, "f32") for p in ptrs] for ptrs in aptr]
+    start = [[_load(builder, p, "f32", lanes) for p in ptrs] for ptrs in aptr]
     builder.branch(inner)
     builder.position_at_end(inner)
     j = builder.phi(intp)  # the position
@@ -325,14 +378,19 @@ def _accumulate_loops(g, with_prefetch):
     vrow = _row_pointer(context, builder, vty, va, j, d)
     if with_prefetch:  # this pass's lines of row j + ahead
         far = builder.gep(vrow, [builder.mul(g.ahead, vstride)])
-        for line in range(0, LANES * chunks * vsize, 64):
+        for line in range(0, lanes * chunks * vsize, 64):
             _prefetch(builder, builder.gep(far, [intp(line)]))
-    v = [_load(builder, builder.gep(vrow, [intp(LANES * c * vsize)]), g.fmt) for c in range(chunks)]
+    v = [
+        _load(builder, builder.gep(vrow, [intp(lanes * c * vsize)]), g.fmt, lanes)
+        for c in range(chunks)
+    ]
     new = []
     for i, row in enumerate(g.rows):
         wptr = _row_pointer(context, builder, sty, sa, row, builder.add(g.c0, j))
         w = _splat(
-            builder, builder.load(builder.bitcast(wptr, ir.FloatType().as_pointer()), align=4)
+            builder,
+            builder.load(builder.bitcast(wptr, ir.FloatType().as_pointer()), align=4),
+            lanes,
         )
         new.append([_fma(builder, w, v[c], sums[i][c]) for c in range(chunks)])
     j_next = builder.add(j, intp(1))
@@ -347,7 +405,7 @@ def _accumulate_loops(g, with_prefetch):
     for i in range(_TILE):
         for c in range(chunks):
             builder.store(new[i][c], builder.bitcast(aptr[i][c], f32v.as_pointer()), align=4)
-    d_next = builder.add(d, intp(LANES * chunks))
+    d_next = builder.add(d, intp(lanes * chunks))
     builder.cbranch(builder.icmp_signed("<", d_next, dim), outer, g.done)
     d.add_incoming(intp(0), entry)
     d.add_incoming(d_next, tail)
@@ -388,13 +446,13 @@ def _accumulate_rows_impl(s, r, vb, nb, acc, c0, kind, ahead):
         return rows32
 
     def rows16(s, r, vb, nb, acc, c0, kind, ahead):
-        wide = acc.shape[1] % (4 * LANES) == 0
+        four = acc.shape[1] % (4 * LANES) == 0
         if kind == 0:
-            if wide:
+            if four:
                 _acc_f16_4(s, r, vb, nb, acc, c0, ahead)
             else:
                 _acc_f16_1(s, r, vb, nb, acc, c0, ahead)
-        elif wide:
+        elif four:
             _acc_bf16_4(s, r, vb, nb, acc, c0, ahead)
         else:
             _acc_bf16_1(s, r, vb, nb, acc, c0, ahead)

@@ -1,0 +1,163 @@
+"""The CPU kernels on CPUs other than this one: what Numba compiles for is the target
+(``NUMBA_CPU_NAME``, ``NUMBA_CPU_FEATURES``), and the kernels' vector IR and float16
+widening must hold on every x86-64 target, not only the AVX-512 one they were tuned on.
+
+A target without F16C (``NUMBA_CPU_NAME=generic``, what portable caches use) once aborted
+the process at the first float16 cache: LLVM lowered ``fpext half`` to a call Numba's JIT
+cannot resolve. The integer conversion that replaces it there is tested here in process,
+for every pattern, and the whole attention in a subprocess per target."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from llvmlite import ir
+from numba import njit
+from numba.core import cgutils, config, types
+from numba.extending import intrinsic
+
+from nbkv.kernels import cpu_math
+from nbkv.kernels.cpu_math import half_to_float_ir, hardware_half, target_features
+
+from conftest import cpu_only
+
+pytestmark = cpu_only
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _soft_half(lanes):
+    """An intrinsic widening ``lanes`` float16 bit patterns at ``bits[i]`` into
+    ``out[i]`` by the integer path of :func:`half_to_float_ir` (``hardware=False``)."""
+
+    @intrinsic
+    def widen(typingctx, bits, i, out):
+        def codegen(context, builder, signature, args):
+            bits_a = context.make_array(signature.args[0])(context, builder, args[0])
+            out_a = context.make_array(signature.args[2])(context, builder, args[2])
+            src = cgutils.get_item_pointer(context, builder, signature.args[0], bits_a, [args[1]])
+            dst = cgutils.get_item_pointer(context, builder, signature.args[2], out_a, [args[1]])
+            if lanes == 1:
+                builder.store(half_to_float_ir(builder, builder.load(src), hardware=False), dst)
+            else:
+                i16v = ir.VectorType(ir.IntType(16), lanes)
+                f32v = ir.VectorType(ir.FloatType(), lanes)
+                x = builder.load(builder.bitcast(src, i16v.as_pointer()), align=2)
+                y = half_to_float_ir(builder, x, hardware=False)
+                builder.store(y, builder.bitcast(dst, f32v.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.none(bits, i, out), codegen
+
+    return widen
+
+
+_widen1, _widen16 = _soft_half(1), _soft_half(16)
+
+
+@njit
+def _all_scalar(bits, out):
+    for i in range(bits.shape[0]):
+        _widen1(bits, i, out)
+
+
+@njit
+def _all_vector(bits, out):
+    for i in range(0, bits.shape[0], 16):
+        _widen16(bits, i, out)
+
+
+@pytest.mark.parametrize("widen", [_all_scalar, _all_vector], ids=["scalar", "16 lanes"])
+def test_integer_float16_conversion_is_exact_for_every_pattern(widen):
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    got = np.full(1 << 16, 7.0, np.float32)
+    widen(bits, got)
+    want = bits.view(np.float16).astype(np.float32)
+    # numbers, subnormals, signed zeros, infinities, and NaNs with their payloads (numpy
+    # keeps them too): bit for bit
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_target_features_follow_numba_and_decide_the_float16_path(monkeypatch):
+    monkeypatch.setattr(config, "CPU_FEATURES", "+sse2,,-avx512f,+f16c")
+    assert target_features() == {"+sse2", "-avx512f", "+f16c"}
+    assert hardware_half() == (X86 or platform.machine().lower() in ("aarch64", "arm64"))
+    monkeypatch.setattr(config, "CPU_FEATURES", "")  # what NUMBA_CPU_NAME=generic sets
+    assert target_features() == frozenset()
+    if X86:
+        assert not hardware_half()
+    monkeypatch.setattr(config, "CPU_FEATURES", None)  # Numba's default: the host's
+    assert target_features() == set(cpu_math.llvm.get_host_cpu_features().flatten().split(","))
+
+
+# run in a fresh interpreter under the target; prints the vector registers it saw
+_SCRIPT = textwrap.dedent(
+    """
+    import numpy as np
+    import nbkv
+    from nbkv import reference
+    from nbkv.dtypes import resolve_dtype
+    from nbkv.kernels import cpu_attention
+    from nbkv.kernels.cpu_math import widen16
+    from numba import njit
+
+    @njit
+    def widen_all(bits, out):
+        for i in range(bits.shape[0]):
+            out[i] = widen16(bits[i], 0)
+
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    got = np.empty(1 << 16, np.float32)
+    widen_all(bits, got)
+    want = bits.view(np.float16).astype(np.float32)
+    ok = ~np.isnan(want)
+    assert np.array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
+    assert np.isnan(got[~ok]).all()
+
+    rng = np.random.default_rng(0)
+    for dtype in ("float32", "float16", "bfloat16"):
+        for dim, n_q, seq in ((128, 1, 300), (64, 5, 77), (40, 3, 50)):
+            cache = nbkv.LayerKVCache(512, batch=2, num_kv_heads=2, head_dim=dim, dtype=dtype)
+            k = rng.standard_normal((2, 2, seq, dim)).astype(resolve_dtype(dtype))
+            v = rng.standard_normal((2, 2, seq, dim)).astype(resolve_dtype(dtype))
+            cache.append(k, v)
+            q = rng.standard_normal((2, 8, n_q, dim)).astype(np.float32)
+            K, V = cache.get_kv()
+            want = reference.attention(q, np.asarray(K, np.float64), np.asarray(V, np.float64))
+            got = nbkv.attention(q, cache)
+            err = np.abs(got - want).max()
+            assert err < 2e-5, (dtype, dim, n_q, seq, err)
+    asm = "".join(cpu_attention.attend_serial.inspect_asm().values())
+    print("registers:", *sorted(r for r in ("xmm", "ymm", "zmm") if r in asm))
+    """
+)
+
+_AVX2 = "+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,+bmi,+bmi2,+lzcnt,+movbe"
+
+
+@pytest.mark.skipif(not X86, reason="x86-64 targets: this host is not x86-64")
+@pytest.mark.parametrize(
+    ("name", "features", "widest"),
+    [("generic", None, "xmm"), ("haswell", _AVX2, "ymm")],
+    ids=["x86-64 generic (SSE2, no F16C, no FMA)", "haswell (AVX2)"],
+)
+def test_attention_matches_the_reference_on_other_x86_targets(tmp_path, name, features, widest):
+    env = dict(os.environ, NUMBA_CPU_NAME=name, NUMBA_CACHE_DIR=str(tmp_path))
+    env.pop("NUMBA_CPU_FEATURES", None)
+    if features:
+        env["NUMBA_CPU_FEATURES"] = features
+    run = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = run.stdout.split("registers:")[-1].split()
+    # the target took: nothing wider than it has was emitted
+    assert widest in seen, seen
+    wider = {"xmm": {"ymm", "zmm"}, "ymm": {"zmm"}}[widest]
+    assert not wider.intersection(seen), seen
