@@ -78,6 +78,28 @@ def machine(torch=None) -> dict:
             for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
             if k in os.environ
         },
+        # what each library compiles or dispatches for: Numba's target (NUMBA_CPU_NAME,
+        # NUMBA_CPU_FEATURES) and torch's kernels (ATEN_CPU_CAPABILITY, oneDNN's, MKL's)
+        "isa_env": {
+            k: os.environ[k]
+            for k in (
+                "NUMBA_CPU_NAME",
+                "NUMBA_CPU_FEATURES",
+                "ATEN_CPU_CAPABILITY",
+                "ONEDNN_MAX_CPU_ISA",
+                "MKL_ENABLE_INSTRUCTIONS",
+            )
+            if k in os.environ
+        },
+        "torch_cpu_capability": _torch_capability(torch),
         "command": " ".join([sys.executable, *sys.argv]),
         "git": git_state(),
     }
+
+
+def _torch_capability(torch) -> str | None:
+    """The vector ISA torch's own CPU kernels run with (``"AVX512"``, ``"AVX2"``, ...)."""
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:  # no torch, or one too old to say: only for the record
+        return None

@@ -650,6 +650,8 @@ def main() -> None:
         + (f" ({info['torch_threads']} threads)" if torch is not None else "")
         + (f"; env {info['thread_env']}" if info["thread_env"] else "")
     )
+    if info["isa_env"]:
+        print(f"targets: {info['isa_env']}; torch's CPU kernels: {info['torch_cpu_capability']}")
     if info["git"]:
         changed = ", ".join(x.split()[-1] for x in info["git"]["nbkv_changed"]) or "none"
         print(
