@@ -20,7 +20,7 @@ from conftest import cpu_only
 
 pytestmark = cpu_only
 
-FORMATS = ("float32", "float16", "bfloat16")
+FORMATS = ("float32", "float16", "bfloat16", "uint8")
 DIMS = (16, 32, 48, 64, 128, 192, 256)
 
 
@@ -28,6 +28,9 @@ def _stored(x, name):
     """``x`` (float32) as a kernel stores it, its exact float64 value, and its kind."""
     if name == "float32":
         return x, x.astype(np.float64), -1
+    if name == "uint8":  # 8-bit codes, read as their integer values
+        codes = np.clip(np.round(x * 40 + 128), 0, 255).astype(np.uint8)
+        return codes, codes.astype(np.float64), -1
     dtype = resolve_dtype(name)
     narrow = x.astype(dtype)
     return narrow.view(kernel_dtype(dtype)), narrow.astype(np.float64), kind16(widen_table(dtype))
@@ -132,7 +135,8 @@ def test_block_functions_agree_with_the_plain_loops_they_replace(name, seed):
         nb = int(rng.integers(1, 70))
         dim = int(rng.choice([16, 64, 128, 192]))
         qs = rng.standard_normal((rows, dim)).astype(np.float32)
-        block, _, kind = _stored(rng.standard_normal((nb, dim)).astype(np.float32), name)
+        block, values, kind = _stored(rng.standard_normal((nb, dim)).astype(np.float32), name)
+        mag = max(1.0, float(np.abs(values).max()))  # codes run to 255: errors scale so
         strided = np.zeros((nb, 2 * dim), block.dtype)
         strided[:, ::2] = block
         strided = strided[:, ::2]
@@ -140,10 +144,10 @@ def test_block_functions_agree_with_the_plain_loops_they_replace(name, seed):
         fast, plain = np.zeros((rows, nb), np.float32), np.zeros((rows, nb), np.float32)
         cpu_attention._scores(qs, block, fast, 0, kind)
         cpu_attention._scores(qs, strided, plain, 0, kind)
-        np.testing.assert_allclose(fast, plain, rtol=2e-5, atol=2e-5 * np.sqrt(dim))
+        np.testing.assert_allclose(fast, plain, rtol=2e-5, atol=2e-5 * mag * np.sqrt(dim))
         w = rng.random((rows, nb)).astype(np.float32)
         acc0 = rng.standard_normal((rows, dim)).astype(np.float32)
         fast_acc, plain_acc = acc0.copy(), acc0.copy()
         cpu_attention._accumulate(w, block, fast_acc, 0, kind, 64)
         cpu_attention._accumulate(w, strided, plain_acc, 0, kind, 64)
-        np.testing.assert_allclose(fast_acc, plain_acc, rtol=2e-5, atol=2e-5 * np.sqrt(nb))
+        np.testing.assert_allclose(fast_acc, plain_acc, rtol=2e-5, atol=2e-5 * mag * np.sqrt(nb))

@@ -76,9 +76,8 @@ def _rows_impl(src, table, buf):
 
 
 def _val(x, kind):
-    """A stored element as the arithmetic sees it: 16-bit bits (uint16) widened by
-    :func:`widen16` (``kind`` 0 float16, 1 bfloat16), floats as they are. By the overload.
-    """
+    """A stored element as the arithmetic sees it: 16-bit bits widened by :func:`widen16`
+    (``kind`` 0 float16, 1 bfloat16), 8-bit codes as float32, floats as they are."""
     raise NotImplementedError  # pragma: no cover - only called from compiled code
 
 
@@ -86,6 +85,8 @@ def _val(x, kind):
 def _val_impl(x, kind):
     if x == types.uint16:
         return lambda x, kind: widen16(x, kind)
+    if x == types.uint8:  # 8-bit codes: their integer values
+        return lambda x, kind: np.float32(x)
     return lambda x, kind: x
 
 

@@ -34,8 +34,9 @@ from numba import njit, prange
 from numba.core import types
 from numba.extending import overload
 
-from .cpu_attention import _BLOCK, _accumulate, _mask, _online_softmax, _rows, _scores
-from .cpu_math import bits32, kind16, widen16
+from .. import _config
+from .cpu_attention import _AHEAD, _BLOCK, _accumulate, _mask, _online_softmax, _rows, _scores
+from .cpu_math import bits32, kind16, prefetch_ahead, widen16
 
 __all__ = [
     "quant_append",
@@ -242,19 +243,22 @@ def quant_append(
 
 
 @njit(cache=True)
-def _dequant_k(codes, scale, zero, bits, out):
+def _dequant_k(codes, scale, zero, bits, out, ahead=0):
     """K rows from codes [nb, k_row] and one group's float32 ``scale``, ``zero``
     [head_dim]: out[j, d] = zero[d] + code * scale[d] (float32). Mutates ``out``; returns
-    the rows written."""
+    the rows written. ``ahead`` > 0: row ``j + ahead`` of the codes is prefetched as row
+    ``j`` is dequantized (past the block: the next one's, when ``codes`` is a slice)."""
     nb = codes.shape[0]
     dim = scale.shape[0]
     rows = out[:nb]
     if bits == 8:
         for j in range(nb):
+            prefetch_ahead(codes, j, 1, ahead)
             for d in range(dim):
                 rows[j, d] = zero[d] + np.float32(codes[j, d]) * scale[d]
     elif bits == 4:
         for j in range(nb):
+            prefetch_ahead(codes, j, 1, ahead)
             for i in range(dim // 2):
                 c = codes[j, i]
                 rows[j, 2 * i] = zero[2 * i] + np.float32(c & 15) * scale[2 * i]
@@ -278,10 +282,10 @@ def _dequant_k(codes, scale, zero, bits, out):
 
 
 @njit(cache=True)
-def _dequant_v(codes, scale, zero, bits, table, out):
+def _dequant_v(codes, scale, zero, bits, table, out, ahead=0):
     """V rows from codes [nb, v_row] and their 16-bit ``scale``, ``zero`` bits
     [nb, head_dim // v_group]: out[j, d] = zero + code * scale of d's channel group.
-    Mutates ``out``; returns the rows written.
+    Mutates ``out``; returns the rows written; ``ahead`` prefetches as in :func:`_dequant_k`.
 
     One loop nest per bit width, each inner loop counting from 0 over slices: a call
     per row (reference counts on its views) or Numba's negative-index check on
@@ -294,6 +298,7 @@ def _dequant_v(codes, scale, zero, bits, table, out):
     rows = out[:nb]
     if bits == 8:
         for j in range(nb):
+            prefetch_ahead(codes, j, 1, ahead)
             for c in range(n_c):
                 s, z = table[scale[j, c]], table[zero[j, c]]
                 src, dst = codes[j, c * vg : (c + 1) * vg], rows[j, c * vg : (c + 1) * vg]
@@ -302,6 +307,7 @@ def _dequant_v(codes, scale, zero, bits, table, out):
     elif bits == 4 and vg % 2 == 0:
         h = vg // 2
         for j in range(nb):
+            prefetch_ahead(codes, j, 1, ahead)
             for c in range(n_c):
                 s, z = table[scale[j, c]], table[zero[j, c]]
                 src, dst = codes[j, c * h : (c + 1) * h], rows[j, c * vg : (c + 1) * vg]
@@ -401,6 +407,28 @@ def dequantize(
                     v_out[b, h, p - p0, d] = v_win[b, h, p % w, d]
 
 
+@njit(cache=True, fastmath=_config.FASTMATH)
+def _fold_k_group(qs, scale, zero, q_sc, q_ze):
+    """For 8-bit K: a score ``qs[r] . (zero + code * scale)`` is ``q_ze[r] + q_sc[r] .
+    code``, so the group's scales and zero points go into the queries once per group
+    (``q_sc = qs * scale``, ``q_ze = qs . zero``) and no K row is dequantized. Mutates
+    ``q_sc``, ``q_ze``."""
+    for r in range(qs.shape[0]):
+        z = np.float32(0.0)
+        for d in range(qs.shape[1]):
+            q_sc[r, d] = qs[r, d] * scale[d]
+            z += qs[r, d] * zero[d]
+        q_ze[r] = z
+
+
+@njit(cache=True)
+def _add_rows(s, nb, x):
+    """``s[r, :nb] += x[r]`` for every row. Mutates ``s``."""
+    for r in range(s.shape[0]):
+        for j in range(nb):
+            s[r, j] += x[r]
+
+
 # error_model="numpy": as in cpu_attention, IEEE results, never an exception
 @njit(cache=True, error_model="numpy")
 def _attend_quant_task(
@@ -432,6 +460,8 @@ def _attend_quant_task(
     v_buf = np.empty((_BLOCK, dim), np.float32)
     k_sc = np.empty(dim, np.float32)  # the current K group's scales and zeros
     k_ze = np.empty(dim, np.float32)
+    q_sc = np.empty((rows, dim), np.float32)  # 8-bit K: the queries times the scales,
+    q_ze = np.empty(rows, np.float32)  # and their dot products with the zero points
     w = k_win.shape[2]
     current = -1
     j0 = lo
@@ -443,21 +473,28 @@ def _attend_quant_task(
             if g != current:
                 _group_scales(k_scale[b, kvh, g], k_zero[b, kvh, g], table, k_sc, k_ze)
                 current = g
-            kb = _dequant_k(k_codes[b, kvh, j0:j1], k_sc, k_ze, k_bits, k_buf)
+                if k_bits == 8:
+                    _fold_k_group(qs, k_sc, k_ze, q_sc, q_ze)
+            nb = j1 - j0
+            if k_bits == 8:  # scores over the codes themselves, scale and zero folded in
+                _scores(q_sc, k_codes[b, kvh, j0:j1], s, 0, -1, _AHEAD)  # rows on their way
+                _add_rows(s, nb, q_ze)
+            else:
+                codes = k_codes[b, kvh, j0:j1]
+                _scores(qs, _dequant_k(codes, k_sc, k_ze, k_bits, k_buf, _AHEAD), s, 0)
         else:
             # the window: a block never crosses the ring's end
             slot = j0 % w
             j1 = min(seq_len, j0 + _BLOCK, j0 + w - slot)
-            kb = _rows(k_win[b, kvh, slot : slot + j1 - j0], table, k_buf)
-        nb = j1 - j0
-        _scores(qs, kb, s, 0)
+            nb = j1 - j0
+            _scores(qs, _rows(k_win[b, kvh, slot : slot + j1 - j0], table, k_buf), s, 0)
         if j0 < all_lo or j1 > all_hi:
             _mask(s, nb, j0, first, n_q, causal, window)
         _online_softmax(s, nb, m, denom, acc)
         if j0 < q_len:
             vb = _dequant_v(
                 v_codes[b, kvh, j0:j1], v_scale[b, kvh, j0:j1], v_zero[b, kvh, j0:j1],
-                v_bits, table, v_buf,
+                v_bits, table, v_buf, _AHEAD,
             )  # fmt: skip
         else:
             slot = j0 % w

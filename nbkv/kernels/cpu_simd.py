@@ -83,10 +83,13 @@ def _row_pointer(context, builder, aty, ary, row, col):
 
 def _load(builder, ptr, fmt, lanes=LANES):
     """``lanes`` elements at ``ptr`` (``i8*``) as ``<lanes x float>``; ``fmt``: "f32",
-    "f16", "bf16"."""
+    "f16", "bf16", or "u8" (8-bit codes, their integer values)."""
     f32v = ir.VectorType(ir.FloatType(), lanes)
     if fmt == "f32":
         return builder.load(builder.bitcast(ptr, f32v.as_pointer()), align=4)
+    if fmt == "u8":
+        i8v = ir.VectorType(ir.IntType(8), lanes)
+        return builder.uitofp(builder.load(builder.bitcast(ptr, i8v.as_pointer()), align=1), f32v)
     i16v = ir.VectorType(ir.IntType(16), lanes)
     bits = builder.load(builder.bitcast(ptr, i16v.as_pointer()), align=2)
     if fmt == "f16":
@@ -102,7 +105,7 @@ def _typed(*pairs):
 
 
 def _kdtype(fmt):
-    return types.float32 if fmt == "f32" else types.uint16
+    return {"f32": types.float32, "u8": types.uint8}.get(fmt, types.uint16)
 
 
 def _make_tile(fmt):
@@ -215,13 +218,16 @@ def _fma(builder, x, y, acc):
 _tile_f32 = _make_tile("f32")
 _tile_f16 = _make_tile("f16")
 _tile_bf16 = _make_tile("bf16")
+_tile_u8 = _make_tile("u8")
 
 
 def score_tile(qs, r, kb, j, s, col, kind):
     """``s[r + i, col + k] = qs[r + i] . kb[j + k]`` for i, k in 0..3, as vector IR.
 
-    qs: float32 [rows, head_dim] (queries); kb: [positions, head_dim] float32, or uint16
-    bits of float16 (``kind`` 0) or bfloat16 (``kind`` 1); s: float32 scores. Only where
+    qs: float32 [rows, head_dim] (queries); kb: [positions, head_dim] float32, uint16
+    bits of float16 (``kind`` 0) or bfloat16 (``kind`` 1), or uint8 codes (their integer
+    values: the quantized kernels fold scale and zero point around them); s: float32
+    scores. Only where
     :func:`tile_ok` holds: head_dim a multiple of 16, both rows unit-stride. Mutates ``s``.
     By the overload."""
     raise NotImplementedError  # pragma: no cover - only called from compiled code
@@ -233,6 +239,8 @@ def _score_tile_impl(qs, r, kb, j, s, col, kind):
         return lambda qs, r, kb, j, s, col, kind: None  # never called: tile_ok is False
     if kb.dtype == types.float32:
         return lambda qs, r, kb, j, s, col, kind: _tile_f32(qs, r, kb, j, s, col)
+    if kb.dtype == types.uint8:  # 8-bit codes: scores against their integer values
+        return lambda qs, r, kb, j, s, col, kind: _tile_u8(qs, r, kb, j, s, col)
     if kb.dtype == types.uint16:
 
         def widened(qs, r, kb, j, s, col, kind):
@@ -253,8 +261,9 @@ def tile_ok(qs, kb):
 
 
 def _types_ok(a, b):
-    """Whether the arrays' types can qualify: float32 ``a``, float32 or 16-bit ``b``."""
-    return a.dtype == types.float32 and b.dtype in (types.float32, types.uint16)
+    """Whether the arrays' types can qualify: float32 ``a``; float32, 16-bit or 8-bit
+    codes ``b``."""
+    return a.dtype == types.float32 and b.dtype in (types.float32, types.uint16, types.uint8)
 
 
 @njit(cache=True)
@@ -413,35 +422,39 @@ def _accumulate_loops(g, with_prefetch):
 
 _ACCUMULATE = {
     (fmt, chunks): _make_accumulate(fmt, chunks)
-    for fmt in ("f32", "f16", "bf16")
+    for fmt in ("f32", "f16", "bf16", "u8")
     for chunks in (1, 4)
 }
 _acc_f32_1, _acc_f32_4 = _ACCUMULATE["f32", 1], _ACCUMULATE["f32", 4]
 _acc_f16_1, _acc_f16_4 = _ACCUMULATE["f16", 1], _ACCUMULATE["f16", 4]
 _acc_bf16_1, _acc_bf16_4 = _ACCUMULATE["bf16", 1], _ACCUMULATE["bf16", 4]
+_acc_u8_1, _acc_u8_4 = _ACCUMULATE["u8", 1], _ACCUMULATE["u8", 4]
 
 
 def accumulate_rows(s, r, vb, nb, acc, c0, kind, ahead):
     """``acc[r + i] += sum over j < nb of s[r + i, c0 + j] * vb[j]`` for i in 0..3, as vector
     IR: the 4 x 64 accumulators of a pass over head_dim stay in registers while every
-    position of the block is added. ``vb``: float32 rows, or uint16 bits of float16
-    (``kind`` 0) or bfloat16 (1); ``ahead`` > 0 prefetches row ``j + ahead`` as row ``j``
-    is added. Only where :func:`tile_ok` holds for ``(acc, vb)`` and ``nb`` > 0. Mutates
-    ``acc``. By the overload."""
+    position of the block is added. ``vb``: float32 rows, uint16 bits of float16
+    (``kind`` 0) or bfloat16 (1), or uint8 codes (their integer values); ``ahead`` > 0
+    prefetches row ``j + ahead`` as row ``j`` is added. Only where :func:`tile_ok` holds
+    for ``(acc, vb)`` and ``nb`` > 0. Mutates ``acc``. By the overload."""
     raise NotImplementedError  # pragma: no cover - only called from compiled code
 
 
 @overload(accumulate_rows, jit_options={"cache": True})
 def _accumulate_rows_impl(s, r, vb, nb, acc, c0, kind, ahead):
-    if acc.dtype != types.float32 or vb.dtype not in (types.float32, types.uint16):
+    if not _types_ok(acc, vb):
         return lambda s, r, vb, nb, acc, c0, kind, ahead: None  # tile_ok is False
-    if vb.dtype == types.float32:
+    if vb.dtype in (types.float32, types.uint8):
+        four_, one_ = (
+            (_acc_f32_4, _acc_f32_1) if vb.dtype == types.float32 else (_acc_u8_4, _acc_u8_1)
+        )
 
         def rows32(s, r, vb, nb, acc, c0, kind, ahead):
             if acc.shape[1] % (4 * LANES) == 0:
-                _acc_f32_4(s, r, vb, nb, acc, c0, ahead)
+                four_(s, r, vb, nb, acc, c0, ahead)
             else:
-                _acc_f32_1(s, r, vb, nb, acc, c0, ahead)
+                one_(s, r, vb, nb, acc, c0, ahead)
 
         return rows32
 
