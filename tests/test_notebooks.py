@@ -95,3 +95,7 @@ def test_the_staleness_check_counts_figures_and_cells():
         "1 code cells committed, 2 executed"
     ]
     assert notebook_check.normalise("took  1,234.5 ms\n(3e-07)") == "took # ms (#)"
+    # a table whose column grew a digit: its rule grew a dash, and nothing else changed
+    wide, narrow = "s\n----\n10.2", "s\n---\n9.8"
+    assert notebook_check.normalise(wide) == notebook_check.normalise(narrow) == "s --- #"
+    assert notebook_check.normalise("a - b -- c") == "a - b -- c"  # only rules
