@@ -14,7 +14,15 @@ import nbkv
 from nbkv import _config, reference
 from nbkv.dtypes import kernel_dtype, resolve_dtype, widen_table
 from nbkv.kernels import cpu_attention
-from nbkv.kernels.cpu_math import exp32, kind16, prefetch, target_features, widen16
+from nbkv.kernels.cpu_math import (
+    PREFETCH_LOCALITY,
+    exp32,
+    kind16,
+    prefetch,
+    target_features,
+    widen16,
+)
+from nbkv.kernels.cpu_simd import accumulate_rows
 
 from conftest import cpu_only
 
@@ -114,6 +122,31 @@ def test_prefetch_is_a_hint_that_never_faults_or_writes():
         assert _touch(a, i, j) == 0.0
     assert _touch(a[:, ::2], 1, 1) == 0.0  # a strided view
     assert np.array_equal(a, before)
+
+
+@njit
+def _accumulate_ahead(s, vb, acc):
+    accumulate_rows(s, 0, vb, vb.shape[0], acc, 0, -1, 64)
+
+
+def _prefetch_calls(ir_text):
+    import re
+
+    call = r"call void @llvm\.prefetch\.p0\(ptr [^,]+, i32 (\d+), i32 (\d+), i32 (\d+)\)"
+    return re.findall(call, ir_text)
+
+
+def test_both_prefetch_paths_emit_the_one_hint_locality():
+    # the scalar kernels' intrinsic and the vector-IR accumulate share prefetch_ir, so a
+    # change of PREFETCH_LOCALITY reaches both (each was once written out on its own)
+    a = np.zeros((4, 16), np.float32)
+    _touch(a, 1, 0)
+    acc = np.zeros((4, 128), np.float32)
+    _accumulate_ahead(np.ones((4, 8), np.float32), np.ones((8, 128), np.float32), acc)
+    for fn in (_touch, _accumulate_ahead):
+        calls = [c for ir_text in fn.inspect_llvm().values() for c in _prefetch_calls(ir_text)]
+        assert calls, f"{fn.__name__}: no llvm.prefetch call"
+        assert set(calls) == {("0", str(PREFETCH_LOCALITY), "1")}, calls
 
 
 def _chunked_cases():

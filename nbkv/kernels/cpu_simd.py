@@ -35,7 +35,7 @@ from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
-from .cpu_math import half_to_float_ir, target_features
+from .cpu_math import half_to_float_ir, prefetch_ir, target_features
 
 __all__ = ["LANES", "accumulate_rows", "score_tile", "tile_lanes", "tile_ok"]
 
@@ -286,14 +286,6 @@ def _tile_ok_impl(qs, kb):
     return lambda qs, kb: _shapes_ok(qs, kb)
 
 
-def _prefetch(builder, ptr):
-    """``llvm.prefetch`` of the line holding ``ptr`` (``i8*``): read, all cache levels."""
-    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-    builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
-
-
 def _splat(builder, x, lanes):
     """A float broadcast to every lane of a ``<lanes x float>``."""
     f32v = ir.VectorType(ir.FloatType(), lanes)
@@ -388,7 +380,7 @@ def _accumulate_loops(g, with_prefetch):
     if with_prefetch:  # this pass's lines of row j + ahead
         far = builder.gep(vrow, [builder.mul(g.ahead, vstride)])
         for line in range(0, lanes * chunks * vsize, 64):
-            _prefetch(builder, builder.gep(far, [intp(line)]))
+            prefetch_ir(builder, builder.gep(far, [intp(line)]))
     v = [
         _load(builder, builder.gep(vrow, [intp(lanes * c * vsize)]), g.fmt, lanes)
         for c in range(chunks)
