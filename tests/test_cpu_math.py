@@ -5,6 +5,7 @@ prefetch hint, and prefill in query chunks, each against float64 NumPy or the re
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -130,8 +131,6 @@ def _accumulate_ahead(s, vb, acc):
 
 
 def _prefetch_calls(ir_text):
-    import re
-
     call = r"call void @llvm\.prefetch\.p0\(ptr [^,]+, i32 (\d+), i32 (\d+), i32 (\d+)\)"
     return re.findall(call, ir_text)
 

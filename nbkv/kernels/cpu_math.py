@@ -221,8 +221,9 @@ def kind16(table):
 # llvm.prefetch's locality: 1 is x86's prefetcht2 (to L2, not L1). On the AMD EPYC of
 # 2026-12-03 (Zen 4) prefetcht0 (3) filled L1's few miss buffers: the score and V passes
 # over a 32k cache, one thread, took 45 and 56 ns per row with it, 29 and 28 with 1 or 2
-# (t1), and the parallel 32k decode step 17.8 ms against 14.4 (means of three runs each).
-# On the Intel guest of 2026-12-02 t0, t1 and t2 were alike; nta (0) doubled the step.
+# (t1); the 32k decode step went from 17.7 to 9.9 ms (`python -m benchmarks --only
+# attention --tag cpu-zen4`, before and after; benchmarks/README.md). On the Intel guest
+# of 2026-12-02 t0, t1 and t2 were alike; nta (0) doubled the step.
 PREFETCH_LOCALITY = 1
 
 
