@@ -208,7 +208,7 @@ def test_prefetching_ahead_leaves_scores_and_sums_bit_identical(seed):
         rows = int(rng.integers(1, 11))
         nb = int(rng.integers(1, 70))
         dim = int(rng.choice([3, 16, 64, 128]))
-        ahead = int(rng.choice([1, 7, 64, 1000]))
+        ahead = int(rng.choice([1, 7, 64, 1000, -1, -1000]))  # < 0: a paged kernel's page
         qs = rng.standard_normal((rows, dim)).astype(np.float32)
         w = rng.random((rows, nb)).astype(np.float32)
         block = rng.standard_normal((nb + 5, dim)).astype(np.float32)  # rows after the block

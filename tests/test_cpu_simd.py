@@ -87,7 +87,7 @@ def test_accumulate_rows_matches_float64_and_leaves_other_rows(name, seed):
             w[r : r + 4, c0 : c0 + nb].astype(np.float64) @ np.abs(vb64[:nb])
         )
         results = []
-        for ahead in (0, 1, 64):  # prefetching must not change a bit
+        for ahead in (0, 1, 64, -64):  # prefetching (either side) must not change a bit
             acc = acc0.copy()
             _rows(w, r, vb, nb, acc, c0, kind, ahead)
             results.append(acc)
@@ -97,6 +97,7 @@ def test_accumulate_rows_matches_float64_and_leaves_other_rows(name, seed):
             np.testing.assert_array_equal(acc[others], acc0[others])
         np.testing.assert_array_equal(results[0], results[1])
         np.testing.assert_array_equal(results[0], results[2])
+        np.testing.assert_array_equal(results[0], results[3])
 
 
 def test_tile_ok_names_where_the_vector_paths_apply():

@@ -96,8 +96,8 @@ def _scores(qs, kb, s, c0, kind=-1, ahead=0):
     (``c0`` > 0: the block is a page of a longer chunk, as in the paged kernels). ``kb``
     may be 16-bit bits, widened as they are loaded (``kind``, see :func:`_val`): no
     widened copy is written and read back (that pass took a third of a decode step).
-    ``ahead`` > 0: while row ``j`` is scored, row ``j + ahead`` is prefetched (past the
-    block's end: the caller's next block, when ``kb`` is a slice of contiguous rows).
+    ``ahead`` not 0: as row ``j`` is scored, row ``j + ahead`` is prefetched (past the
+    block: the next block of contiguous rows, or a paged kernel's page ahead, in strides).
 
     Four query rows by four K rows per pass: each K element loaded feeds four dot
     products and each query element four. Where :func:`nbkv.kernels.cpu_simd.tile_ok`

@@ -276,9 +276,9 @@ def prefetch(typingctx, a, i, j):
 @njit(cache=True)
 def prefetch_ahead(x, j, n, ahead):
     """Prefetch rows ``j + ahead .. j + ahead + n - 1`` of ``x`` ([rows, head_dim]), line
-    by line; nothing when ``ahead`` is 0. Rows past ``x``'s end are the memory after it
-    (a prefetch is a hint: it never faults)."""
-    if ahead > 0:
+    by line; nothing when ``ahead`` is 0. Rows past ``x``'s end (or, ``ahead`` < 0, before
+    its start) are the memory there, at ``x``'s row stride (a prefetch never faults)."""
+    if ahead != 0:
         step = max(1, 64 // x.itemsize)  # elements per 64-byte cache line
         for t in range(j + ahead, j + ahead + n):
             for d in range(0, x.shape[1], step):

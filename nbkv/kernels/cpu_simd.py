@@ -340,7 +340,7 @@ def _accumulate_codegen(fmt, chunks, context, builder, signature, args):
     )
     with_pf = builder.append_basic_block("acc.prefetching")
     plain = builder.append_basic_block("acc.plain")
-    builder.cbranch(builder.icmp_signed(">", g.ahead, intp(0)), with_pf, plain)
+    builder.cbranch(builder.icmp_signed("!=", g.ahead, intp(0)), with_pf, plain)
     builder.position_at_end(with_pf)
     _accumulate_loops(g, True)
     builder.position_at_end(plain)
@@ -427,8 +427,8 @@ def accumulate_rows(s, r, vb, nb, acc, c0, kind, ahead):
     """``acc[r + i] += sum over j < nb of s[r + i, c0 + j] * vb[j]`` for i in 0..3, as vector
     IR: the 4 x 64 accumulators of a pass over head_dim stay in registers while every
     position of the block is added. ``vb``: float32 rows, uint16 bits of float16
-    (``kind`` 0) or bfloat16 (1), or uint8 codes (their integer values); ``ahead`` > 0
-    prefetches row ``j + ahead`` as row ``j`` is added. Only where :func:`tile_ok` holds
+    (``kind`` 0) or bfloat16 (1), or uint8 codes (their integer values); ``ahead`` not 0
+    prefetches row ``j + ahead`` (either side of ``vb``) as row ``j`` is added. Only where :func:`tile_ok` holds
     for ``(acc, vb)`` and ``nb`` > 0. Mutates ``acc``. By the overload."""
     raise NotImplementedError  # pragma: no cover - only called from compiled code
 
