@@ -428,8 +428,9 @@ def accumulate_rows(s, r, vb, nb, acc, c0, kind, ahead):
     IR: the 4 x 64 accumulators of a pass over head_dim stay in registers while every
     position of the block is added. ``vb``: float32 rows, uint16 bits of float16
     (``kind`` 0) or bfloat16 (1), or uint8 codes (their integer values); ``ahead`` not 0
-    prefetches row ``j + ahead`` (either side of ``vb``) as row ``j`` is added. Only where :func:`tile_ok` holds
-    for ``(acc, vb)`` and ``nb`` > 0. Mutates ``acc``. By the overload."""
+    prefetches row ``j + ahead`` (either side of ``vb``) as row ``j`` is added. Only
+    where :func:`tile_ok` holds for ``(acc, vb)`` and ``nb`` > 0. Mutates ``acc``. By the
+    overload."""
     raise NotImplementedError  # pragma: no cover - only called from compiled code
 
 
