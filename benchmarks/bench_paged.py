@@ -106,6 +106,9 @@ def timed(calls: dict, rounds: int, rng) -> dict:
                 disturbed[method] += 1
             else:
                 times[method].append(t1 - t0)
+    for m in calls:
+        if not times[m]:  # percentiles of nothing: say why instead
+            raise RuntimeError(f"{m}: every call waited for a CPU (another job's); rerun")
     return {m: {"ns": times[m], "disturbed": disturbed[m] / rounds} for m in calls}
 
 

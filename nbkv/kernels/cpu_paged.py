@@ -52,9 +52,10 @@ __all__ = [
 # queries per task: a long prefill is cut into chunks of them, which run in parallel
 QUERY_CHUNK = 64
 # positions ahead (rounded up to whole pages) whose K/V rows are prefetched: while a page's
-# rows are read, the same rows of the page that many positions on are requested. Decode
-# over 8 x 4,096 positions at block 16 (2 cores, Zen 4): 0.65x the contiguous kernel's
-# throughput without, 0.92x with 32 ("nhd"); 16 and 64 positions did no better
+# rows are read, the same rows of the page that many positions on are requested (the
+# hardware prefetchers follow a stream of addresses and lose it at every page). Decode
+# over 8 x 4,096 positions at block 16 (2 cores, Zen 4): 0.64x the contiguous kernel's
+# throughput without, 0.87-0.91x with 32 ("nhd"); 16 and 64 did no better (benchmarks/)
 PREFETCH_POSITIONS = 32
 _CHUNK = 128  # positions scored per step of the online softmax (several blocks if small)
 
@@ -254,11 +255,9 @@ def _paged_task(
 
     A task takes every head of its sequence, page by page, so that it reads each page
     whole before the next, in memory order (one task per head read a page in pieces a
-    head apart: 0.8x the contiguous kernel's speed at block size 16, measured). Pages
-    are wherever the allocator put them, so the hardware's prefetcher, which follows a
-    stream of addresses, cannot find the next one: each page's rows are requested
-    ``PREFETCH_POSITIONS`` ahead, spread over the arithmetic. A chunk of queries sees
-    what its last query sees: the sequence as if it ended there."""
+    head apart: 0.8x the contiguous kernel's speed at block size 16, measured), and
+    prefetches ``PREFETCH_POSITIONS`` ahead (see there). A chunk of queries sees what its
+    last query sees: the sequence as if it ended there."""
     num_heads, dim = q.shape[1], q.shape[2]
     heads = num_kv_heads
     group = num_heads // heads
@@ -291,11 +290,9 @@ def _paged_task(
     s = np.empty((heads, rows, _CHUNK), q.dtype)
     buf = np.empty((min(bs, _CHUNK), heads, dim), q.dtype)  # widened 16-bit rows
     pages = kv_indices[kv_indptr[s_id] : kv_indptr[s_id + 1]]
-    last = (end - 1) // bs  # the last page this task reads: none prefetched past it
-    kind = -1  # a 32- or 64-bit pool, or widened by table's 16-bit format (cpu_math)
-    if table is not None:
-        kind = kind16(table)
-    pages_ahead = -(-PREFETCH_POSITIONS // bs)
+    # pages prefetched ahead, none past the last page this task reads
+    pages_ahead, last = -(-PREFETCH_POSITIONS // bs), (end - 1) // bs
+    kind = -1 if table is None else kind16(table)  # 16-bit pools: float16 0, bfloat16 1
     j0 = start
     while j0 < end:
         # a chunk of up to _CHUNK positions, page by page: score each page's rows into
