@@ -442,6 +442,49 @@ def test_the_kernels_run_inside_user_njit_code():
     assert out[0, 0].tolist() == [2.0, 3.0]
 
 
+@given(
+    bs=st.one_of(st.integers(1, 9), st.integers(10, 160)),
+    most=st.sampled_from([None, 16]),
+    seq_len=st.integers(1, 400),
+    lo=st.integers(0, 399),
+    heads=st.integers(1, 3),
+    seed=st.integers(0, 2**31),
+)
+def test_the_paged_runs_tile_the_positions_and_prefetch_the_rows_32_on(
+    bs, most, seq_len, lo, heads, seed
+):
+    """``_segment``'s runs: each lies in one page, from the offset its position has there,
+    and so do the positions ``PREFETCH_POSITIONS`` on, at the row distance it says in
+    either pool form; past the task's last position it prefetches nothing."""
+    from nbkv.kernels import cpu_paged
+
+    ahead_by = cpu_paged.PREFETCH_POSITIONS
+    lo = min(lo, seq_len - 1)
+    most = bs if most is None else most
+    pages = np.random.default_rng(seed).permutation(-(-seq_len // bs) + 3)[: -(-seq_len // bs)]
+    pages = pages.astype(np.int32)
+
+    def row(p, hnd):  # position p's row among a head's: "nhd" strided, "hnd" flattened
+        return (pages[p // bs] * (heads if hnd else 1) + (heads - 1) * hnd) * bs + p % bs
+
+    for hnd in (False, True):
+        page_rows = heads * bs if hnd else bs
+        at = lo
+        while at < seq_len:
+            j1 = min(seq_len, (at // 128 + 1) * 128)  # a softmax chunk's end
+            page, off, n, ahead = cpu_paged._segment(pages, bs, page_rows, at, j1, seq_len, most)
+            assert 1 <= n <= min(most, j1 - at)
+            assert (page, off) == (pages[at // bs], at % bs) and off + n <= bs
+            t = at + ahead_by
+            if t >= seq_len:
+                assert ahead == 0
+            else:
+                assert t % bs + n <= bs  # the rows ahead lie in one page
+                for i in range(n):
+                    assert row(at + i, hnd) + ahead == row(t + i, hnd)
+            at += n
+
+
 @given(data=st.data())
 def test_random_parameters_match_the_reference_and_the_fused_path_writes_every_row(data):
     """Paged attention on random sizes reaching the edges (block size 1, a window of 1,
@@ -451,7 +494,8 @@ def test_random_parameters_match_the_reference_and_the_fused_path_writes_every_r
     from conftest import dtype_of
 
     dt = dtype_of(data.draw(st.sampled_from(["float32", "float16", "bfloat16"]), "dtype"))
-    bs = data.draw(st.integers(1, 9), "block_size")
+    # past 16 and 32: "nhd" runs of 16 positions, rows prefetched from within the page
+    bs = data.draw(st.one_of(st.integers(1, 9), st.sampled_from([17, 40])), "block_size")
     layout = data.draw(st.sampled_from(["nhd", "hnd"]), "layout")
     dim = data.draw(st.sampled_from([3, 8, 16, 40, 64]), "head_dim")  # 16, 64: vector IR
     held = data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=4), "held")

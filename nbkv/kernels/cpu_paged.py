@@ -51,9 +51,9 @@ __all__ = [
 
 # queries per task: a long prefill is cut into chunks of them, which run in parallel
 QUERY_CHUNK = 64
-# positions ahead (rounded up to whole pages) whose K/V rows are prefetched: while a page's
-# rows are read, the same rows of the page that many positions on are requested (the
-# hardware prefetchers follow a stream of addresses and lose it at every page). Decode
+# positions ahead whose K/V rows are prefetched: as a position's rows are read, those of
+# the position this many on are requested, wherever their page lies (the hardware
+# prefetchers follow a stream of addresses and lose it at every page). Decode
 # over 8 x 4,096 positions at block 16 (2 cores, Zen 4): 0.64x the contiguous kernel's
 # throughput without, 0.87-0.91x with 32 ("nhd"); 16 and 64 did no better (benchmarks/)
 PREFETCH_POSITIONS = 32
@@ -183,8 +183,8 @@ def _score_page(qs, pool, page, off, n, kind, table, buf, s, c0, ahead):
     by head) or "nhd" ``[num_blocks, block_size, heads, head_dim]`` (position by
     position). 16-bit rows are widened as they are loaded (``kind``, from ``table``),
     except on ``_scores_heads``'s path, which widens them into ``buf`` [chunk, heads,
-    head_dim] first. ``ahead``: the same rows of the page ``ahead`` blocks along the
-    pool (0: none) are prefetched as these are scored (see :func:`_paged_task`)."""
+    head_dim] first. ``ahead``: as row ``j`` is scored, row ``j + ahead`` of a head's
+    rows is prefetched (0: none); :func:`_segment` finds it."""
     raise NotImplementedError  # pragma: no cover - only called from compiled code
 
 
@@ -200,10 +200,9 @@ def _score_page_impl(qs, pool, page, off, n, kind, table, buf, s, c0, ahead):
 
         def hnd(qs, pool, page, off, n, kind, table, buf, s, c0, ahead):
             heads = qs.shape[0]
-            rows_ahead = ahead * heads * pool.shape[1]  # in rows of the flattened pool
             for h in range(heads):
                 kb = pool[page * heads + h, off : off + n]
-                _scores(qs[h], kb, s[h], c0, kind, rows_ahead)
+                _scores(qs[h], kb, s[h], c0, kind, ahead)
 
         return hnd
 
@@ -211,7 +210,7 @@ def _score_page_impl(qs, pool, page, off, n, kind, table, buf, s, c0, ahead):
         kb = pool[page, off : off + n]
         if tile_ok(qs[0], kb[:, 0]):  # head by head, by the vector-IR tiles (cpu_simd)
             for h in range(qs.shape[0]):
-                _scores(qs[h], kb[:, h], s[h], c0, kind, ahead * pool.shape[1])
+                _scores(qs[h], kb[:, h], s[h], c0, kind, ahead)
         else:
             _scores_heads(qs, _rows(kb, table, buf), s, c0)
 
@@ -224,10 +223,9 @@ def _accumulate_page_impl(s, pool, page, off, n, kind, table, buf, acc, c0, ahea
 
         def hnd(s, pool, page, off, n, kind, table, buf, acc, c0, ahead):
             heads = acc.shape[0]
-            rows_ahead = ahead * heads * pool.shape[1]
             for h in range(heads):
                 vb = pool[page * heads + h, off : off + n]
-                _accumulate(s[h], vb, acc[h], c0, kind, rows_ahead)
+                _accumulate(s[h], vb, acc[h], c0, kind, ahead)
 
         return hnd
 
@@ -235,11 +233,28 @@ def _accumulate_page_impl(s, pool, page, off, n, kind, table, buf, acc, c0, ahea
         vb = pool[page, off : off + n]
         if tile_ok(acc[0], vb[:, 0]):
             for h in range(acc.shape[0]):
-                _accumulate(s[h], vb[:, h], acc[h], c0, kind, ahead * pool.shape[1])
+                _accumulate(s[h], vb[:, h], acc[h], c0, kind, ahead)
         else:
             _accumulate_heads(s, _rows(vb, table, buf), acc, c0)
 
     return nhd
+
+
+@njit(cache=True)
+def _segment(pages, bs, page_rows, at, j1, end, most):
+    """``(page, off, n, ahead)``: the positions ``at .. at + n - 1`` (before ``j1``) lie
+    at offsets ``off ..`` of one page, and so do the positions ``PREFETCH_POSITIONS`` on
+    from them, ``ahead`` rows of a head's rows away (``page_rows``: a page's; 0: those lie
+    past ``end``, this task's last position). A page larger than the distance thus goes
+    in two runs at least: its rows prefetched from itself, then from the next page. At
+    most ``most`` positions a run."""
+    page, off = pages[at // bs], at % bs
+    n = min(bs - off, j1 - at, most)
+    t = at + PREFETCH_POSITIONS
+    if t >= end:
+        return page, off, n, 0
+    to = t % bs
+    return page, off, min(n, bs - to), (pages[t // bs] - page) * page_rows + to - off
 
 
 @njit(cache=True, fastmath=_config.FASTMATH, error_model="numpy")
@@ -253,11 +268,11 @@ def _paged_task(
     ``task = (sequence * qchunks + chunk) * splits + split``; ``k_pages``, ``v_pages``
     as :func:`_score_page` takes them.
 
-    A task takes every head of its sequence, page by page, so that it reads each page
-    whole before the next, in memory order (one task per head read a page in pieces a
-    head apart: 0.8x the contiguous kernel's speed at block size 16, measured), and
-    prefetches ``PREFETCH_POSITIONS`` ahead (see there). A chunk of queries sees what its
-    last query sees: the sequence as if it ended there."""
+    A task takes every head of its sequence, run by run (:func:`_segment`: a page, or a
+    piece of a large one), so that it reads the pool in memory order (one task per head
+    read a page in pieces a head apart: 0.8x the contiguous kernel's speed at block size
+    16, measured), and prefetches ``PREFETCH_POSITIONS`` ahead (see there). A chunk of
+    queries sees what its last query sees: the sequence as if it ended there."""
     num_heads, dim = q.shape[1], q.shape[2]
     heads = num_kv_heads
     group = num_heads // heads
@@ -288,10 +303,14 @@ def _paged_task(
     denom = np.zeros((heads, rows), q.dtype)
     acc = np.zeros((heads, rows, dim), q.dtype)
     s = np.empty((heads, rows, _CHUNK), q.dtype)
-    buf = np.empty((min(bs, _CHUNK), heads, dim), q.dtype)  # widened 16-bit rows
+    # 16-bit rows widened for _scores_heads ("nhd" pools only: "hnd" ones need none)
+    buf = np.empty((min(bs, _CHUNK) if k_pages.ndim == 4 else 0, heads, dim), q.dtype)
     pages = kv_indices[kv_indptr[s_id] : kv_indptr[s_id + 1]]
-    # pages prefetched ahead, none past the last page this task reads
-    pages_ahead, last = -(-PREFETCH_POSITIONS // bs), (end - 1) // bs
+    page_rows = heads * bs if k_pages.ndim == 3 else bs  # a page, in rows of a head
+    # "nhd": runs of at most 16 positions, every head each, so that a large page too is
+    # read in memory order (a 128-position page read head by head, its rows 4 KiB apart:
+    # 0.55x the contiguous kernel's throughput against 0.85x; one thread, 32 MiB)
+    most = bs if k_pages.ndim == 3 else 16
     kind = -1 if table is None else kind16(table)  # 16-bit pools: float16 0, bfloat16 1
     j0 = start
     while j0 < end:
@@ -300,8 +319,7 @@ def _paged_task(
         j1 = min(j0 + _CHUNK, end)
         at = j0
         while at < j1:
-            page, off, n = pages[at // bs], at % bs, min(bs - at % bs, j1 - at)
-            ahead = pages[min(at // bs + pages_ahead, last)] - page
+            page, off, n, ahead = _segment(pages, bs, page_rows, at, j1, end, most)
             _score_page(qs, k_pages, page, off, n, kind, table, buf, s, at - j0, ahead)
             at += n
         nb = j1 - j0
@@ -311,8 +329,7 @@ def _paged_task(
             _online_softmax(s[h], nb, m[h], denom[h], acc[h])
         at = j0
         while at < j1:
-            page, off, n = pages[at // bs], at % bs, min(bs - at % bs, j1 - at)
-            ahead = pages[min(at // bs + pages_ahead, last)] - page
+            page, off, n, ahead = _segment(pages, bs, page_rows, at, j1, end, most)
             _accumulate_page(s, v_pages, page, off, n, kind, table, buf, acc, at - j0, ahead)
             at += n
         j0 = j1
@@ -328,25 +345,30 @@ def _paged_task(
 @njit(cache=True, error_model="numpy")
 def _combine(part_acc, part_stats, out, row):
     """out[token, head] for ``row = token * num_heads + head``: the splits' partials,
-    rescaled to their common maximum."""
+    rescaled to their common maximum. One ``exp`` per split, not per split and element
+    (that took 7.6 us per row at head_dim 128: 11% of a one-thread decode step of 8
+    sequences, 2.3 ms); the sum runs in ``out``'s dtype."""
     token, h = row // out.shape[1], row % out.shape[1]
-    splits, dim = part_acc.shape[2], out.shape[2]
+    splits, o = part_acc.shape[2], out[token, h]
     top = -np.inf
     poisoned = False
     for sp in range(splits):
         mx = part_stats[token, h, sp, 0]
         poisoned |= mx != mx
         top = max(top, mx)
-    for d in range(dim):
-        num = 0.0
-        total = 0.0
-        for sp in range(splits):
-            mx = part_stats[token, h, sp, 0]
-            if mx != -np.inf:
-                w = np.exp(mx - top)
-                num += w * part_acc[token, h, sp, d]
-                total += w * part_stats[token, h, sp, 1]
-        out[token, h, d] = np.nan if poisoned else num / total
+    o[:] = 0.0
+    total = 0.0
+    for sp in range(splits):
+        mx = part_stats[token, h, sp, 0]
+        if mx != -np.inf:  # a split that saw nothing adds nothing
+            w = np.exp(mx - top)
+            total += w * part_stats[token, h, sp, 1]
+            a = part_acc[token, h, sp]
+            for d in range(o.shape[0]):
+                o[d] += w * a[d]
+    inv = np.nan if poisoned else 1.0 / total  # nothing seen: 0 * inf = NaN
+    for d in range(o.shape[0]):
+        o[d] *= inv
 
 
 @njit(cache=True)
