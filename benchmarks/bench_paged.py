@@ -15,8 +15,10 @@ Three parts, each against nbkv's contiguous cache in the same run:
    pool against ``nbkv.attention`` on a ``LayerKVCache`` (batch 8, "bhsd") holding the
    same K/V. Two pools per layout: *packed* (each sequence prefilled in one step, so its
    blocks are consecutive) and *interleaved* (the eight grown together 16 positions at a
-   time, as decoding sequences grow: a sequence's blocks are eight apart). Every method
-   is checked against ``nbkv.reference.attention`` first. Rounds call every method once,
+   time, as decoding sequences grow: a sequence's blocks are eight apart); and packed
+   pools of block sizes ``LARGE_BLOCKS`` (64, 256: pages larger than the 32 positions
+   the kernel prefetches ahead). Every method is checked against
+   ``nbkv.reference.attention`` first. Rounds call every method once,
    in a fresh random order, with ``settle()`` between calls (no thread pool of one
    spinning on a core the next needs); a call during which our threads waited for a CPU
    for over 5% of its time (another job's) is left out, as in ``bench_attention.py``.
@@ -57,6 +59,7 @@ from nbkv.tutorial.paging import paged_copy, request_lengths, reserved_over_data
 
 REQUESTS, MEDIAN, SIGMA, MAX_LEN = 1000, 400, 1.0, 8192
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+LARGE_BLOCKS = (64, 256)  # attention on packed pools of these block sizes too
 SEQS, HEADS, KV_HEADS, DIM, BLOCK = 8, 32, 8, 128, 16
 SEQ_LEN = {False: 4096, True: 1024}  # full, quick
 ROUNDS = {False: 40, True: 6}
@@ -127,6 +130,9 @@ def attention_part(quick: bool, rng) -> dict:
         for layout in ("nhd", "hnd")
         for inter in (False, True)
     }
+    for bs in LARGE_BLOCKS:  # pages larger than the prefetch distance, packed
+        for layout in ("nhd", "hnd"):
+            paged[f"paged {layout}, packed, block {bs}"] = paged_copy(K, V, bs, layout=layout)
     # correctness first, on the benchmark's own data
     want = reference.attention(q_dense.astype(np.float64), K, V)[:, :, 0]
     got = {"contiguous attention": nbkv.attention(q_dense, dense)[:, :, 0]}
@@ -147,10 +153,11 @@ def attention_part(quick: bool, rng) -> dict:
     base = float(np.median(result["contiguous attention"]["ns"]))
     print(
         f"\ndecode attention: {SEQS} sequences x {seq} positions, {HEADS}/{KV_HEADS} heads, "
-        f"head_dim {DIM}, float32, K+V {nbytes / 2**20:.0f} MiB; block size {BLOCK}"
+        f"head_dim {DIM}, float32, K+V {nbytes / 2**20:.0f} MiB; block size {BLOCK} "
+        "unless named"
     )
     print(
-        f"  {'method':28s} {'median ms':>10s} {'p10':>8s} {'p90':>8s} {'GB/s':>6s} "
+        f"  {'method':34s} {'median ms':>10s} {'p10':>8s} {'p90':>8s} {'GB/s':>6s} "
         f"{'throughput':>11s} {'disturbed':>9s}"
     )
     for name, r in result.items():
@@ -164,7 +171,7 @@ def attention_part(quick: bool, rng) -> dict:
             throughput_vs_contiguous=base / med,
         )
         print(
-            f"  {name:28s} {r['median_ms']:10.2f} {r['p10_ms']:8.2f} {r['p90_ms']:8.2f} "
+            f"  {name:34s} {r['median_ms']:10.2f} {r['p10_ms']:8.2f} {r['p90_ms']:8.2f} "
             f"{r['gb_s']:6.1f} {r['throughput_vs_contiguous']:10.2f}x {r['disturbed']:9.0%}"
         )
         del r["ns"]
