@@ -14,16 +14,16 @@ timed against NumPy, lives in :mod:`nbkv.append_demo` and is re-exported here.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
+from ._threads import Threads, check_threads, thread_limits
 from ._units import human_bytes
 from ._validate import positive_int
 from .append_demo import APPEND_METHODS, run_append_demo
@@ -113,78 +113,6 @@ def _plot_latency(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper left")
     fig.savefig(path, dpi=120)
-
-
-def _check_threads(value: object) -> int | None:
-    if value is None:
-        return None
-    import numba
-
-    n = positive_int(value, "threads")
-    most = numba.config.NUMBA_NUM_THREADS
-    if n > most:
-        raise InvalidArgumentError(f"threads must be in [1, {most}] (NUMBA_NUM_THREADS), got {n}")
-    return n
-
-
-def _blas_limits(n: int) -> Any:
-    """threadpoolctl's limit of BLAS to ``n`` threads (a context manager), or None
-    where threadpoolctl is not installed."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return None
-    return threadpool_limits(limits=n, user_api="blas")
-
-
-_BLAS_ENV = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
-
-
-class _Threads(NamedTuple):
-    numba: int  # Numba's threads
-    blas: str  # BLAS's threads, short: "1", "2" or "default"
-    about: str  # a line on both, with how they were set
-
-
-@contextlib.contextmanager
-def _thread_limits(n: int | None) -> Iterator[_Threads]:
-    """Numba's and BLAS's threads set to ``n`` inside (None: as they are); restored after.
-
-    BLAS is limited through threadpoolctl when it is installed. Without it nothing can
-    limit BLAS from here: OpenBLAS reads ``OPENBLAS_NUM_THREADS`` once, when NumPy loads
-    it, which ``import nbkv`` has done before this runs; the line says so.
-    """
-    import numba
-
-    saved = numba.get_num_threads()
-    with contextlib.ExitStack() as stack:
-        blas_limited = False
-        if n is not None:
-            numba.set_num_threads(n)
-            stack.callback(numba.set_num_threads, saved)
-            limits = _blas_limits(n)
-            if limits is not None:
-                stack.enter_context(limits)
-                blas_limited = True
-        try:
-            from threadpoolctl import threadpool_info
-        except ImportError:
-            env = [f"{k}={os.environ[k]}" for k in _BLAS_ENV if k in os.environ]
-            blas = "default"
-            how = f"its default ({', '.join(env)} in the environment)" if env else "its default"
-            if n is not None:
-                how += (
-                    f", not limited: threadpoolctl is not installed (pip install threadpoolctl, "
-                    f"or start Python with OPENBLAS_NUM_THREADS={n})"
-                )
-        else:
-            pools = [i for i in threadpool_info() if i["user_api"] == "blas"]
-            blas = ",".join(str(i["num_threads"]) for i in pools) or "default"
-            how = ", ".join(f"{i['internal_api']} {i['num_threads']}" for i in pools)
-            how = (how or "none found") + (" (threadpoolctl)" if blas_limited else "")
-        yield _Threads(
-            numba.get_num_threads(), blas, f"Numba {numba.get_num_threads()}, BLAS {how}"
-        )
 
 
 def _trained() -> str:
@@ -279,216 +207,249 @@ def run_model_demo(
     >>> r["tokens"].shape, r["seq_len"], r["nbytes"]
     ((3,), 6, 12288)
     """
-    from .models import Llama
-
-    new_tokens = positive_int(new_tokens, "new_tokens")
-    if new_tokens < 2:
-        raise InvalidArgumentError(
-            f"new_tokens must be >= 2 (the first comes from the prompt pass, the rest are "
-            f"the decode steps timed per token), got {new_tokens}"
-        )
-    if prompt is not None and prompt_tokens is not None:
-        raise InvalidArgumentError("give prompt or prompt_tokens, not both")
-    if prompt_tokens is not None:
-        prompt_tokens = positive_int(prompt_tokens, "prompt_tokens")
-    elif prompt is None:
-        prompt = DEFAULT_PROMPT
-    elif not isinstance(prompt, str) or not prompt:
-        raise InvalidArgumentError(f"prompt must be a non-empty str, got {prompt!r}")
-    threads = _check_threads(threads)
+    run = _ModelRun(new_tokens, prompt, prompt_tokens, device, seed, out_dir, threads, out)
     stream = sys.stderr if progress == "stderr" else progress
+    with thread_limits(run.threads) as running:
+        run.header(running)
+        warmup_s = run.warm_up()
+        run.decode_cached(stream)
+        run.decode_recompute(stream)
+    max_diff = run.check()
+    return run.report(running, warmup_s, max_diff)
 
-    model = Llama.default(device=device)  # checks device
-    c = model.config
-    if prompt_tokens is not None:
-        ids = np.random.default_rng(seed).integers(0, c.vocab_size, prompt_tokens)
-        about = f"{prompt_tokens} random token id{'s' * (prompt_tokens > 1)} (seed {seed})"
-    else:
-        ids = np.frombuffer(prompt.encode("utf-8", "surrogateescape"), np.uint8)
-        preview = prompt if len(prompt) <= 72 else prompt[:69] + "..."
-        about = f"{len(ids)} tokens, the UTF-8 bytes of {preview!r}"
-    ids = ids.astype(np.int64)
-    n_prompt = len(ids)
-    # the last new token is never fed back, so it needs no position
-    cache = model.new_cache(1, n_prompt + new_tokens - 1)  # no GPU: raises here
-    Figure, plot_skipped = (None, "no output folder given") if out_dir is None else (None, None)
-    path = None
-    if out_dir is not None:
-        Figure, plot_skipped = _matplotlib_figure()
-        if Figure is not None:
-            folder = Path(out_dir)
-            if folder.exists() and not folder.is_dir():
-                raise InvalidArgumentError(f"out_dir {str(folder)!r} exists and is not a folder")
-            path = folder / PLOT_NAME
-    cuda = device == "cuda"
-    sync: Callable[[], Any] = lambda: None  # noqa: E731
-    if cuda:
-        from numba import cuda as numba_cuda
 
-        sync = numba_cuda.synchronize  # stop no clock before the device is done
+class _ModelRun:
+    """One run of :func:`run_model_demo`: the model, prompt, cache and plot path it
+    checked and made, and its steps in the order the demo takes them."""
 
-    with _thread_limits(threads) as running:
+    def __init__(self, new_tokens, prompt, prompt_tokens, device, seed, out_dir, threads, out):
+        from .models import Llama
+
+        new_tokens = positive_int(new_tokens, "new_tokens")
+        if new_tokens < 2:
+            raise InvalidArgumentError(
+                f"new_tokens must be >= 2 (the first comes from the prompt pass, the rest "
+                f"are the decode steps timed per token), got {new_tokens}"
+            )
+        if prompt is not None and prompt_tokens is not None:
+            raise InvalidArgumentError("give prompt or prompt_tokens, not both")
+        if prompt_tokens is not None:
+            prompt_tokens = positive_int(prompt_tokens, "prompt_tokens")
+        elif prompt is None:
+            prompt = DEFAULT_PROMPT
+        elif not isinstance(prompt, str) or not prompt:
+            raise InvalidArgumentError(f"prompt must be a non-empty str, got {prompt!r}")
+        self.threads = check_threads(threads)
+        self.model = model = Llama.default(device=device)  # checks device
+        self.c = c = model.config
+        if prompt_tokens is not None:
+            ids = np.random.default_rng(seed).integers(0, c.vocab_size, prompt_tokens)
+            self.about = f"{prompt_tokens} random token id{'s' * (prompt_tokens > 1)} (seed {seed})"
+        else:
+            ids = np.frombuffer(prompt.encode("utf-8", "surrogateescape"), np.uint8)
+            preview = prompt if len(prompt) <= 72 else prompt[:69] + "..."
+            self.about = f"{len(ids)} tokens, the UTF-8 bytes of {preview!r}"
+        self.ids = ids.astype(np.int64)
+        self.n_prompt, self.new_tokens, self.show_text = len(ids), new_tokens, prompt_tokens is None
+        # the last new token is never fed back, so it needs no position
+        self.cache = model.new_cache(1, self.n_prompt + new_tokens - 1)  # no GPU: raises here
+        self.Figure, self.plot_skipped, self.path = None, "no output folder given", None
+        if out_dir is not None:
+            self.Figure, self.plot_skipped = _matplotlib_figure()
+            if self.Figure is not None:
+                folder = Path(out_dir)
+                if folder.exists() and not folder.is_dir():
+                    raise InvalidArgumentError(
+                        f"out_dir {str(folder)!r} exists and is not a folder"
+                    )
+                self.path = folder / PLOT_NAME
+        self.device, self.seed, self.out = device, seed, out
+        self.sync: Callable[[], Any] = lambda: None
+        if device == "cuda":
+            from numba import cuda as numba_cuda
+
+            self.sync = numba_cuda.synchronize  # stop no clock before the device is done
+        steps = new_tokens - 1
+        self.ns = {m: np.empty(steps, np.int64) for m in MODEL_METHODS}
+        self.first_ns: dict[str, int] = {}
+        self.tokens = {m: np.empty(new_tokens, np.int64) for m in MODEL_METHODS}
+        self.logits = {m: np.empty((new_tokens, c.vocab_size), np.float32) for m in MODEL_METHODS}
+
+    def header(self, running: Threads) -> None:
+        c, out = self.c, self.out
         out(
             f"nbkv demo: Llama.default(), {c.num_hidden_layers} layers, hidden "
             f"{c.hidden_size}, {c.num_attention_heads} query / {c.num_key_value_heads} KV "
             f"heads of head_dim {c.head_dim}, byte vocabulary ({c.vocab_size}), "
-            f"{model.num_parameters / 1e6:.1f}M parameters, trained on Python ({_trained()})"
+            f"{self.model.num_parameters / 1e6:.1f}M parameters, trained on Python ({_trained()})"
         )
-        out(f"  prompt: {about}; then {new_tokens} new tokens, greedy; cache on {device}")
+        out(
+            f"  prompt: {self.about}; then {self.new_tokens} new tokens, greedy; "
+            f"cache on {self.device}"
+        )
         out(f"  threads (both methods): {running.about}")
-        if cuda:
+        if self.device == "cuda":
             out("  the recompute path keeps no cache and runs on the host")
             if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
                 out("  the CUDA simulator is on: the cache's timings say nothing of a GPU")
 
-        # the first calls compile every kernel (or load it from Numba's on-disk cache)
+    def warm_up(self) -> float:
+        """The first calls compile every kernel (or load it from Numba's on-disk cache)."""
         t0 = time.perf_counter_ns()
         some = np.array([[1, 2, 3]])  # any ids: the kernels compile per dtype, not per value
-        warm = model.new_cache(1, 3)
-        model.forward(some[:, :2], warm)
-        model.forward(some[:, 2:], warm)
-        model.forward_nocache(some)
-        sync()
+        warm = self.model.new_cache(1, 3)
+        self.model.forward(some[:, :2], warm)
+        self.model.forward(some[:, 2:], warm)
+        self.model.forward_nocache(some)
+        self.sync()
         warmup_s = (time.perf_counter_ns() - t0) / 1e9
-        out(f"warm-up: {warmup_s:.2f} s (JIT compile or cache load; in no timing below)")
+        self.out(f"warm-up: {warmup_s:.2f} s (JIT compile or cache load; in no timing below)")
+        return warmup_s
 
-        steps = new_tokens - 1
-        ns = {m: np.empty(steps, np.int64) for m in MODEL_METHODS}
-        first_ns = {}
-        tokens = {m: np.empty(new_tokens, np.int64) for m in MODEL_METHODS}
-        last_logits = {m: np.empty((new_tokens, c.vocab_size), np.float32) for m in MODEL_METHODS}
-
-        # with the cache: the prompt once, then one position per step
-        bar = _Progress("decode with cache", new_tokens, stream)
+    def decode_cached(self, stream: TextIO | None) -> None:
+        """With the cache: the prompt once, then one position per step."""
+        model, cache, ns, tokens = self.model, self.cache, self.ns["cached"], self.tokens["cached"]
+        bar = _Progress("decode with cache", self.new_tokens, stream)
         t0 = time.perf_counter_ns()
-        logits = model.forward(ids[None], cache)[0, -1]
-        sync()
-        first_ns["cached"] = time.perf_counter_ns() - t0
-        for step in range(new_tokens):
+        logits = model.forward(self.ids[None], cache)[0, -1]
+        self.sync()
+        self.first_ns["cached"] = time.perf_counter_ns() - t0
+        for step in range(self.new_tokens):
             if step:
                 t0 = time.perf_counter_ns()
-                logits = model.forward(tokens["cached"][None, step - 1 : step], cache)[0, -1]
-                sync()
-                ns["cached"][step - 1] = time.perf_counter_ns() - t0
-            last_logits["cached"][step] = logits
-            tokens["cached"][step] = int(logits.argmax())
+                logits = model.forward(tokens[None, step - 1 : step], cache)[0, -1]
+                self.sync()
+                ns[step - 1] = time.perf_counter_ns() - t0
+            self.logits["cached"][step] = logits
+            tokens[step] = int(logits.argmax())
             bar.update(step + 1)
 
-        # without: every step runs the whole sequence so far
-        seq = np.empty(n_prompt + new_tokens, np.int64)
-        seq[:n_prompt] = ids
-        bar = _Progress("recompute, no cache", new_tokens, stream)
-        for step in range(new_tokens):
+    def decode_recompute(self, stream: TextIO | None) -> None:
+        """Without a cache: every step runs the whole sequence so far."""
+        n_prompt, ns, tokens = self.n_prompt, self.ns["recompute"], self.tokens["recompute"]
+        seq = np.empty(n_prompt + self.new_tokens, np.int64)
+        seq[:n_prompt] = self.ids
+        bar = _Progress("recompute, no cache", self.new_tokens, stream)
+        for step in range(self.new_tokens):
             n = n_prompt + step
             t0 = time.perf_counter_ns()
-            logits = model.forward_nocache(seq[None, :n])[0, -1]
+            logits = self.model.forward_nocache(seq[None, :n])[0, -1]
             t1 = time.perf_counter_ns()
             if step:
-                ns["recompute"][step - 1] = t1 - t0
+                ns[step - 1] = t1 - t0
             else:
-                first_ns["recompute"] = t1 - t0
-            last_logits["recompute"][step] = logits
-            seq[n] = tokens["recompute"][step] = int(logits.argmax())
+                self.first_ns["recompute"] = t1 - t0
+            self.logits["recompute"][step] = logits
+            seq[n] = tokens[step] = int(logits.argmax())
             bar.update(step + 1)
 
-    # correctness first: the same greedy tokens, step by step
-    differ = np.flatnonzero(tokens["cached"] != tokens["recompute"])
-    first_diff = int(differ[0]) if len(differ) else new_tokens
-    # logits are comparable up to (and at) the first step that differs
-    upto = min(first_diff + 1, new_tokens)
-    diff = np.abs(last_logits["cached"][:upto] - last_logits["recompute"][:upto])
-    max_diff = float(diff.max())
-    if len(differ):
-        raise AssertionError(
-            f"new token {first_diff} (position {n_prompt + first_diff}) differs: the cache "
-            f"gave {tokens['cached'][first_diff]}, recomputation "
-            f"{tokens['recompute'][first_diff]} (max |logit difference| so far {max_diff:.3g})"
-        )
+    def check(self) -> float:
+        """The same greedy tokens, step by step; the largest logit difference up to (and
+        at) the first step that differs."""
+        tokens, new_tokens = self.tokens, self.new_tokens
+        differ = np.flatnonzero(tokens["cached"] != tokens["recompute"])
+        first_diff = int(differ[0]) if len(differ) else new_tokens
+        upto = min(first_diff + 1, new_tokens)
+        diff = np.abs(self.logits["cached"][:upto] - self.logits["recompute"][:upto])
+        max_diff = float(diff.max())
+        if len(differ):
+            raise AssertionError(
+                f"new token {first_diff} (position {self.n_prompt + first_diff}) differs: the "
+                f"cache gave {tokens['cached'][first_diff]}, recomputation "
+                f"{tokens['recompute'][first_diff]} (max |logit difference| so far "
+                f"{max_diff:.3g})"
+            )
+        return max_diff
 
-    ms = {m: ns[m] / 1e6 for m in MODEL_METHODS}
-    first_ms = {m: first_ns[m] / 1e6 for m in MODEL_METHODS}
-    median = {m: float(np.median(ms[m])) for m in MODEL_METHODS}
-    p90 = {m: float(np.percentile(ms[m], 90)) for m in MODEL_METHODS}
-    total_s = {m: (first_ns[m] + int(ns[m].sum())) / 1e9 for m in MODEL_METHODS}
-    per_s = {m: new_tokens / total_s[m] for m in MODEL_METHODS}
-    ratio = total_s["recompute"] / total_s["cached"]
-    positions = np.arange(n_prompt + 1, n_prompt + new_tokens)
-
-    k_shape = (1, c.num_key_value_heads, cache.max_seq_len, c.head_dim)
-    out(
-        f"KV cache: {human_bytes(cache.nbytes)} on {device} ({c.num_hidden_layers} layers x "
-        f"K and V of {list(k_shape)} float32; {human_bytes(cache.nbytes / cache.max_seq_len)}"
-        f" per position), seq_len {cache.seq_len}/{cache.max_seq_len}"
-    )
-    out("  the recompute path holds no cache: each step recomputes K/V of every position")
-    out(f"{'':24}{'first token':>12}{'per new token (ms)':>22}{'tokens/s':>11}{'total':>10}")
-    out(f"{'':24}{'(prompt)':>12}{'median':>12}{'p90':>10}")
-    for m in MODEL_METHODS:
+    def report(self, running: Threads, warmup_s: float, max_diff: float) -> dict[str, Any]:
+        """The closing lines and plot, and :func:`run_model_demo`'s result."""
+        c, cache, out, ns, first_ns = self.c, self.cache, self.out, self.ns, self.first_ns
+        n_prompt, new_tokens = self.n_prompt, self.new_tokens
+        ms = {m: ns[m] / 1e6 for m in MODEL_METHODS}
+        first_ms = {m: first_ns[m] / 1e6 for m in MODEL_METHODS}
+        median = {m: float(np.median(ms[m])) for m in MODEL_METHODS}
+        p90 = {m: float(np.percentile(ms[m], 90)) for m in MODEL_METHODS}
+        total_s = {m: (first_ns[m] + int(ns[m].sum())) / 1e9 for m in MODEL_METHODS}
+        per_s = {m: new_tokens / total_s[m] for m in MODEL_METHODS}
+        ratio = total_s["recompute"] / total_s["cached"]
+        positions = np.arange(n_prompt + 1, n_prompt + new_tokens)
+        k_shape = (1, c.num_key_value_heads, cache.max_seq_len, c.head_dim)
         out(
-            f"  {_MODEL_LABELS[m]:<22}{first_ms[m]:>9.2f} ms{median[m]:>12.3f}{p90[m]:>10.3f}"
-            f"{per_s[m]:>11.0f}{total_s[m]:>8.3f} s"
+            f"KV cache: {human_bytes(cache.nbytes)} on {self.device} ({c.num_hidden_layers} "
+            f"layers x K and V of {list(k_shape)} float32; "
+            f"{human_bytes(cache.nbytes / cache.max_seq_len)} per position), seq_len "
+            f"{cache.seq_len}/{cache.max_seq_len}"
         )
-    out(
-        f"recompute takes {ratio:.3g}x the total time of decoding with the cache "
-        f"({median['recompute'] / median['cached']:.3g}x the median per token)"
-    )
-    tenth = max(1, steps // 10)
-    grows = {m: (np.median(ms[m][:tenth]), np.median(ms[m][-tenth:])) for m in MODEL_METHODS}
-    out(
-        f"per token, first tenth of the steps -> last: recompute {grows['recompute'][0]:.2f} -> "
-        f"{grows['recompute'][1]:.2f} ms, with the cache {grows['cached'][0]:.2f} -> "
-        f"{grows['cached'][1]:.2f} ms (median of each)"
-    )
-    out(
-        f"correctness: greedy tokens identical for all {new_tokens} new tokens; logits "
-        f"agree to max |difference| {max_diff:.2g}"
-    )
-    text = _show_text(out, ids, tokens["cached"], prompt_tokens is None)
+        out("  the recompute path holds no cache: each step recomputes K/V of every position")
+        out(f"{'':24}{'first token':>12}{'per new token (ms)':>22}{'tokens/s':>11}{'total':>10}")
+        out(f"{'':24}{'(prompt)':>12}{'median':>12}{'p90':>10}")
+        for m in MODEL_METHODS:
+            out(
+                f"  {_MODEL_LABELS[m]:<22}{first_ms[m]:>9.2f} ms{median[m]:>12.3f}"
+                f"{p90[m]:>10.3f}{per_s[m]:>11.0f}{total_s[m]:>8.3f} s"
+            )
+        out(
+            f"recompute takes {ratio:.3g}x the total time of decoding with the cache "
+            f"({median['recompute'] / median['cached']:.3g}x the median per token)"
+        )
+        self._growth(ms)
+        out(
+            f"correctness: greedy tokens identical for all {new_tokens} new tokens; logits "
+            f"agree to max |difference| {max_diff:.2g}"
+        )
+        text = _show_text(out, self.ids, self.tokens["cached"], self.show_text)
+        self._plot(running, positions, ms)
+        config = {
+            "model": "Llama.default()", "prompt_len": n_prompt, "new_tokens": new_tokens,
+            "device": self.device, "seed": self.seed, "threads": self.threads,
+            "numba_threads": running.numba, "blas_threads": running.blas,
+        }  # fmt: skip
+        return {
+            "config": config,
+            "prompt_ids": self.ids,
+            "tokens": self.tokens["cached"],
+            "positions": positions,
+            "ms": ms,
+            "first_token_ms": first_ms,
+            "median_ms": median,
+            "p90_ms": p90,
+            "tokens_per_s": per_s,
+            "total_s": total_s,
+            "ratio_total": ratio,
+            "max_logit_diff": max_diff,
+            "nbytes": cache.nbytes,
+            "seq_len": cache.seq_len,
+            "max_seq_len": cache.max_seq_len,
+            "warmup_s": warmup_s,
+            "plot": self.path,
+            "plot_skipped": self.plot_skipped,
+            "text": text,
+        }
 
-    if path is not None:
+    def _growth(self, ms: dict[str, np.ndarray]) -> None:
+        tenth = max(1, (self.new_tokens - 1) // 10)
+        grows = {m: (np.median(ms[m][:tenth]), np.median(ms[m][-tenth:])) for m in MODEL_METHODS}
+        self.out(
+            f"per token, first tenth of the steps -> last: recompute {grows['recompute'][0]:.2f}"
+            f" -> {grows['recompute'][1]:.2f} ms, with the cache {grows['cached'][0]:.2f} -> "
+            f"{grows['cached'][1]:.2f} ms (median of each)"
+        )
+
+    def _plot(self, running: Threads, positions: np.ndarray, ms: dict[str, np.ndarray]) -> None:
+        if self.path is None:
+            self.out(f"plot: skipped ({self.plot_skipped})")
+            return
+        c = self.c
         title = (
             f"Greedy decoding, Llama.default() ({c.num_hidden_layers} layers, "
             f"{c.num_attention_heads}/{c.num_key_value_heads} heads, head_dim {c.head_dim}): "
-            f"with an nbkv cache vs recomputing\nprompt {n_prompt} + {new_tokens} new tokens, "
-            f"float32, cache on {device}, {os.cpu_count()} CPUs, threads: Numba {running.numba}, "
-            f"BLAS {running.blas}"
+            f"with an nbkv cache vs recomputing\nprompt {self.n_prompt} + {self.new_tokens} "
+            f"new tokens, float32, cache on {self.device}, {os.cpu_count()} CPUs, threads: "
+            f"Numba {running.numba}, BLAS {running.blas}"
         )
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _plot_latency(Figure, path, positions, ms, title)
-        out(f"plot: {path}")
-    else:
-        out(f"plot: skipped ({plot_skipped})")
-
-    return {
-        "config": {
-            "model": "Llama.default()",
-            "prompt_len": n_prompt,
-            "new_tokens": new_tokens,
-            "device": device,
-            "seed": seed,
-            "threads": threads,
-            "numba_threads": running.numba,
-            "blas_threads": running.blas,
-        },
-        "prompt_ids": ids,
-        "tokens": tokens["cached"],
-        "positions": positions,
-        "ms": ms,
-        "first_token_ms": first_ms,
-        "median_ms": median,
-        "p90_ms": p90,
-        "tokens_per_s": per_s,
-        "total_s": total_s,
-        "ratio_total": ratio,
-        "max_logit_diff": max_diff,
-        "nbytes": cache.nbytes,
-        "seq_len": cache.seq_len,
-        "max_seq_len": cache.max_seq_len,
-        "warmup_s": warmup_s,
-        "plot": path,
-        "plot_skipped": plot_skipped,
-        "text": text,
-    }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _plot_latency(self.Figure, self.path, positions, ms, title)
+        self.out(f"plot: {self.path}")
 
 
 def _show_text(out: Callable[[str], Any], prompt: np.ndarray, new: np.ndarray, show: bool) -> str:

@@ -14,6 +14,7 @@ import pytest
 import nbkv
 from nbkv import demo
 from nbkv.__main__ import main
+from nbkv._threads import BLAS_ENV
 from nbkv.demo import APPEND_METHODS, MODEL_METHODS, run_append_demo, run_model_demo
 from nbkv.models import Llama
 
@@ -293,7 +294,7 @@ def test_run_model_demo_limits_numba_and_blas_threads_and_restores_them():
 
 def test_run_model_demo_without_threadpoolctl_says_blas_is_not_limited(monkeypatch):
     monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # import raises ImportError
-    for name in demo._BLAS_ENV:
+    for name in BLAS_ENV:
         monkeypatch.delenv(name, raising=False)
     lines: list[str] = []
     r = run_model_demo(**TINY_MODEL, out_dir=None, out=lines.append)
