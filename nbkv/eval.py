@@ -320,8 +320,6 @@ def compare(
     >>> [(r.name, r.bytes, r.kl_mean < 1e-2) for r in rows]
     [('reference', 20, True), ('fp16', 20, True), ('mine', 20, True)]
     """
-    from .models.train import held_out_windows
-
     entries = _entries(kvs)
     context = positive_int(context, "context")
     prefill = positive_int(prefill, "prefill")
@@ -330,6 +328,19 @@ def compare(
         raise InvalidArgumentError(f"prefill ({prefill}) must be at most context ({context})")
     limit_bytes = optional_positive_int(limit_bytes, "limit_bytes")
     stream = _stream(progress)
+    model, windows = _model_and_windows(model, files, limit_bytes, context)
+    longest = max(len(w) - 1 for w in windows)
+    for e in entries:  # every cache is built and run on a few bytes, before the windows:
+        warm = windows[0][: min(3, longest)]  # errors come now, and compiling
+        _run(_open(e, model, longest), warm, 2, 2, e, model.config.vocab_size)
+    return _measure(model, entries, windows, prefill, chunk, stream)
+
+
+def _model_and_windows(model, files, limit_bytes, context) -> tuple[Any, list]:
+    """:func:`compare`'s model (checked; default ``Llama.default()``) and the windows of
+    its files (at least one)."""
+    from .models.train import held_out_windows
+
     if model is None:
         from .models import Llama
 
@@ -339,11 +350,7 @@ def compare(
     windows = list(held_out_windows(_files(files, limit_bytes, model.config.vocab_size), context))
     if not windows:
         raise InvalidArgumentError("files hold no byte to score (each needs at least 2)")
-    longest = max(len(w) - 1 for w in windows)
-    for e in entries:  # every cache is built and run on a few bytes, before the windows:
-        warm = windows[0][: min(3, longest)]  # errors come now, and compiling
-        _run(_open(e, model, longest), warm, 2, 2, e, model.config.vocab_size)
-    return _measure(model, entries, windows, prefill, chunk, stream)
+    return model, windows
 
 
 def _measure(model, entries, windows, prefill, chunk, stream) -> list[Row]:
