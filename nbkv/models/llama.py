@@ -705,37 +705,15 @@ class Llama:
             A given cache without room for the prompt and the new tokens.
         """
         ids = self.token_ids(prompt_ids, "prompt_ids")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
-            raise ArgumentTypeError(
-                f"max_new_tokens must be an int >= 0, got {type(max_new_tokens).__name__} "
-                f"{max_new_tokens!r}"
-            )
-        if max_new_tokens < 0:
-            raise InvalidArgumentError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        max_new_tokens = int(max_new_tokens)
-        temperature = _real(temperature, "temperature", positive=False)
-        if temperature < 0:
-            raise InvalidArgumentError(f"temperature must be >= 0, got {temperature}")
-        if eos_token_id is _FROM_CONFIG:
-            eos = self._config.eos_token_ids
-        else:
-            eos = eos_ids(eos_token_id, "eos_token_id")
-        if callback is not None and not callable(callback):
-            raise ArgumentTypeError(f"callback must be callable, got {type(callback).__name__}")
+        max_new_tokens, temperature, eos = self._generate_args(
+            max_new_tokens, temperature, eos_token_id, callback
+        )
         batch, prompt = ids.shape
         if max_new_tokens == 0:
             return ids.copy()
-        # the last new token is never fed back, so it needs no position
-        needed = prompt + max_new_tokens - 1
-        if cache is None:
-            cache = self.new_cache(batch, needed)
-        else:
-            self._check_cache(
-                cache, batch, needed, f"prompt_ids and max_new_tokens={max_new_tokens}"
-            )
+        cache = self._generate_cache(cache, batch, prompt, max_new_tokens)
         rng = np.random.default_rng(seed) if temperature > 0 else None
         eos_arr = np.array(eos, np.int64)
-
         out = np.empty((batch, prompt + max_new_tokens), np.int64)
         out[:, :prompt] = ids
         done = np.zeros(batch, bool)
@@ -755,6 +733,35 @@ class Llama:
             if step + 1 < max_new_tokens:
                 logits = self._forward_cached(token[:, None], cache)[:, -1]
         return out[:, :end].copy()
+
+    def _generate_cache(self, cache, batch: int, prompt: int, max_new_tokens: int) -> KVCache:
+        """:meth:`generate`'s cache: the one given, checked for room, or a new one."""
+        needed = prompt + max_new_tokens - 1  # the last new token is never fed back
+        if cache is None:
+            return self.new_cache(batch, needed)
+        self._check_cache(cache, batch, needed, f"prompt_ids and max_new_tokens={max_new_tokens}")
+        return cache
+
+    def _generate_args(self, max_new_tokens, temperature, eos_token_id, callback) -> tuple:
+        """:meth:`generate`'s arguments checked: ``(max_new_tokens, temperature, end
+        ids)``."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise ArgumentTypeError(
+                f"max_new_tokens must be an int >= 0, got {type(max_new_tokens).__name__} "
+                f"{max_new_tokens!r}"
+            )
+        if max_new_tokens < 0:
+            raise InvalidArgumentError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        temperature = _real(temperature, "temperature", positive=False)
+        if temperature < 0:
+            raise InvalidArgumentError(f"temperature must be >= 0, got {temperature}")
+        if eos_token_id is _FROM_CONFIG:
+            eos = self._config.eos_token_ids
+        else:
+            eos = eos_ids(eos_token_id, "eos_token_id")
+        if callback is not None and not callable(callback):
+            raise ArgumentTypeError(f"callback must be callable, got {type(callback).__name__}")
+        return int(max_new_tokens), temperature, eos
 
     # -- validation ------------------------------------------------------------------
 
