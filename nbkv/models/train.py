@@ -127,11 +127,16 @@ def _torch():
     return torch
 
 
-def build_model(config: LlamaConfig):
-    """A torch Llama with Hugging Face's parameter names (what nbkv's Llama loads)."""
-    torch = _torch()
+def _blocks(torch, c: LlamaConfig) -> tuple:
+    """:func:`build_model`'s parts for ``c``: the ``RMSNorm``, ``Attention`` and ``MLP``
+    module classes."""
     nn, F = torch.nn, torch.nn.functional
-    c = config
+
+    def rotate(x, cos, sin):
+        # rotary embedding, Hugging Face's "rotate half" form (what nbkv's rope kernel does)
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     class RMSNorm(nn.Module):
         def __init__(self, n: int) -> None:
@@ -156,7 +161,7 @@ def build_model(config: LlamaConfig):
             q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
             k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
             v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             group = c.num_attention_heads // c.num_key_value_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -171,6 +176,16 @@ def build_model(config: LlamaConfig):
 
         def forward(self, x):
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    return RMSNorm, Attention, MLP
+
+
+def build_model(config: LlamaConfig):
+    """A torch Llama with Hugging Face's parameter names (what nbkv's Llama loads)."""
+    torch = _torch()
+    nn = torch.nn
+    c = config
+    RMSNorm, Attention, MLP = _blocks(torch, c)
 
     class Layer(nn.Module):
         def __init__(self) -> None:
@@ -217,12 +232,6 @@ def build_model(config: LlamaConfig):
             for layer in self.model.layers:
                 x = layer(x, cos, sin)
             return self.lm_head(self.model.norm(x))
-
-    def _rotate(x, cos, sin):
-        # rotary embedding, Hugging Face's "rotate half" form (what nbkv's rope kernel does)
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     return Model()
 
@@ -349,7 +358,19 @@ def train(options: Options, out: str | os.PathLike, *, corpus: Corpus | None = N
         model, [data[s : s + o.context + 1] for s in rng.integers(0, len(data) - o.context - 1, 64)]
     )
     held_bpb = bits_per_byte_windows(model, held)
-    record = {
+    record = _record(o, corpus, torch.__version__, train_bpb, held_bpb, held_bpb32, wall, history)
+    _write(out, model, config, record)
+    log(
+        f"done in {wall / 60:.1f} min: train {train_bpb:.3f}, held-out {held_bpb:.3f} bits/byte; "
+        f"wrote {out}"
+    )
+    return record
+
+
+def _record(o, corpus, torch_version, train_bpb, held_bpb, held_bpb32, wall, history) -> dict:
+    """training.json's record of a run."""
+    data = corpus.train
+    return {
         "options": asdict(o),
         "corpus": {
             "root": corpus.root,
@@ -360,7 +381,7 @@ def train(options: Options, out: str | os.PathLike, *, corpus: Corpus | None = N
             "held_out_percent": HELD_OUT_PERCENT,
         },
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": torch_version,
         "steps": o.steps,
         "tokens_seen": o.steps * o.batch * o.context,
         "train_bits_per_byte": round(train_bpb, 4),  # 64 random windows, float16 weights
@@ -369,12 +390,6 @@ def train(options: Options, out: str | os.PathLike, *, corpus: Corpus | None = N
         "wall_seconds": round(wall, 1),
         "history": history,
     }
-    _write(out, model, config, record)
-    log(
-        f"done in {wall / 60:.1f} min: train {train_bpb:.3f}, held-out {held_bpb:.3f} bits/byte; "
-        f"wrote {out}"
-    )
-    return record
 
 
 def _write(out: str | os.PathLike, model, config: LlamaConfig, record: dict) -> None:
