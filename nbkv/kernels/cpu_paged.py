@@ -58,6 +58,10 @@ QUERY_CHUNK = 64
 # throughput without, 0.87-0.91x with 32 ("nhd"); 16 and 64 did no better (benchmarks/)
 PREFETCH_POSITIONS = 32
 _CHUNK = 128  # positions scored per step of the online softmax (several blocks if small)
+# "nhd" pools: runs of at most this many positions, every head each, so that a large page
+# too is read in memory order (a 128-position page read head by head, its rows 4 KiB
+# apart: 0.55x the contiguous kernel's throughput against 0.85x; one thread, 32 MiB)
+_NHD_RUN = 16
 
 
 @njit(cache=True, nogil=True)
@@ -307,10 +311,7 @@ def _paged_task(
     buf = np.empty((min(bs, _CHUNK) if k_pages.ndim == 4 else 0, heads, dim), q.dtype)
     pages = kv_indices[kv_indptr[s_id] : kv_indptr[s_id + 1]]
     page_rows = heads * bs if k_pages.ndim == 3 else bs  # a page, in rows of a head
-    # "nhd": runs of at most 16 positions, every head each, so that a large page too is
-    # read in memory order (a 128-position page read head by head, its rows 4 KiB apart:
-    # 0.55x the contiguous kernel's throughput against 0.85x; one thread, 32 MiB)
-    most = bs if k_pages.ndim == 3 else 16
+    most = bs if k_pages.ndim == 3 else _NHD_RUN  # positions per run (_segment)
     kind = -1 if table is None else kind16(table)  # 16-bit pools: float16 0, bfloat16 1
     j0 = start
     while j0 < end:
