@@ -454,11 +454,14 @@ def test_the_paged_runs_tile_the_positions_and_prefetch_the_rows_32_on(
     bs, most, seq_len, lo, heads, seed
 ):
     """``_segment``'s runs: each lies in one page, from the offset its position has there,
-    and so do the positions ``PREFETCH_POSITIONS`` on, at the row distance it says in
-    either pool form; past the task's last position it prefetches nothing."""
+    and so do the positions ``PREFETCH_POSITIONS`` on (whole pages on, for pages up to
+    that size: then a run is the rest of its page), at the row distance it says in either
+    pool form; past the task's last position it prefetches nothing."""
     from nbkv.kernels import cpu_paged
 
     ahead_by = cpu_paged.PREFETCH_POSITIONS
+    if bs <= ahead_by:  # rounded up to whole pages: a small page goes in one run
+        ahead_by = -(-ahead_by // bs) * bs
     lo = min(lo, seq_len - 1)
     most = bs if most is None else most
     pages = np.random.default_rng(seed).permutation(-(-seq_len // bs) + 3)[: -(-seq_len // bs)]
@@ -474,6 +477,8 @@ def test_the_paged_runs_tile_the_positions_and_prefetch_the_rows_32_on(
             j1 = min(seq_len, (at // 128 + 1) * 128)  # a softmax chunk's end
             page, off, n, ahead = cpu_paged._segment(pages, bs, page_rows, at, j1, seq_len, most)
             assert 1 <= n <= min(most, j1 - at)
+            if bs <= cpu_paged.PREFETCH_POSITIONS:
+                assert n == min(bs - at % bs, most, j1 - at)
             assert (page, off) == (pages[at // bs], at % bs) and off + n <= bs
             t = at + ahead_by
             if t >= seq_len:

@@ -248,13 +248,17 @@ def _accumulate_page_impl(s, pool, page, off, n, kind, table, buf, acc, c0, ahea
 def _segment(pages, bs, page_rows, at, j1, end, most):
     """``(page, off, n, ahead)``: the positions ``at .. at + n - 1`` (before ``j1``) lie
     at offsets ``off ..`` of one page, and so do the positions ``PREFETCH_POSITIONS`` on
-    from them, ``ahead`` rows of a head's rows away (``page_rows``: a page's; 0: those lie
-    past ``end``, this task's last position). A page larger than the distance thus goes
-    in two runs at least: its rows prefetched from itself, then from the next page. At
-    most ``most`` positions a run."""
+    from them (rounded up to whole pages where a page is smaller), ``ahead`` rows of a
+    head's rows away (``page_rows``: a page's; 0: those lie at or past ``end``, where
+    this task stops). A page larger than the distance thus goes in two runs at least:
+    its rows prefetched from itself, then from the next page; a smaller one in one.
+    At most ``most`` positions a run."""
     page, off = pages[at // bs], at % bs
     n = min(bs - off, j1 - at, most)
-    t = at + PREFETCH_POSITIONS
+    by = PREFETCH_POSITIONS
+    if bs <= by:  # whole pages on: the positions ahead share the page's offsets
+        by = -(-by // bs) * bs
+    t = at + by
     if t >= end:
         return page, off, n, 0
     to = t % bs
@@ -348,7 +352,8 @@ def _combine(part_acc, part_stats, out, row):
     """out[token, head] for ``row = token * num_heads + head``: the splits' partials,
     rescaled to their common maximum. One ``exp`` per split, not per split and element
     (that took 1 us per row at head_dim 128: 11% of a one-thread decode step over 8 x 512
-    positions, 2.3 ms); the sum runs in ``out``'s dtype."""
+    positions, 2.3 ms); the weighted rows are summed in ``out``'s dtype (float64 before;
+    the weights' sum still is)."""
     token, h = row // out.shape[1], row % out.shape[1]
     splits, o = part_acc.shape[2], out[token, h]
     top = -np.inf
