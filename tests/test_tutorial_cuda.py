@@ -61,38 +61,33 @@ def test_bad_arrays_are_typed_errors(rng):
 
 
 # -- the kernel's code, read from its module ------------------------------------------------
-# the excerpts notebook 05 prints: (start, stop) markers in cuda_attention's ``block``
-NOTEBOOK_EXCERPTS = [
-    ("t = cuda.threadIdx.x", "# the chunk's queries"),
-    ("j0 = start", "# 3. online softmax"),
-    ("# 3. online softmax", "# 4. values"),
-    ("# 4. values", "# the split's sum over the block"),
-    ("# the last block of this", None),
-]
+# the device functions notebook 05 prints, in its order
+NOTEBOOK_STEPS = ["score_tile", "softmax_tile", "accumulate_tile", "last_to_finish", "combine"]
 
 
-def test_function_source_finds_the_nested_block_and_the_notebooks_excerpts_exist():
-    from nbkv.kernels import cuda_attention
+def test_function_source_finds_the_nested_steps_the_notebook_prints():
+    from nbkv.kernels import cuda_attention_steps as steps
     from nbkv.tutorial.cuda import excerpt, function_source
 
-    src = function_source(cuda_attention, "block")
+    src = function_source(steps, "block")
     assert src.startswith("@cuda.jit(device=True, inline=True)\ndef block(")
     assert src.rstrip().endswith("counters[task, chunk] = 0  # ready for the next launch")
-    for start, stop in NOTEBOOK_EXCERPTS:
-        text = excerpt(src, start, stop)
-        assert text.splitlines()[0].strip().startswith(start)
-        assert stop is None or stop not in text
-        assert not text.startswith(" ")  # dedented
+    body = excerpt(src, "t = cuda.threadIdx.x")
+    assert body.startswith("t = cuda.threadIdx.x") and not body.startswith(" ")  # dedented
+    for name in NOTEBOOK_STEPS:
+        assert f"{name}(" in body, name  # block calls it
+        text = function_source(steps, name)
+        assert text.startswith(f"@cuda.jit(device=True, inline=True)\ndef {name}("), name
 
 
 def test_function_source_and_excerpt_raise_for_a_missing_or_ambiguous_name():
-    from nbkv.kernels import cuda_attention
+    from nbkv.kernels import cuda_attention_steps, cuda_vec
     from nbkv.tutorial.cuda import excerpt, function_source
 
     with pytest.raises(nbkv.InvalidArgumentError, match="0 functions named 'nope'"):
-        function_source(cuda_attention, "nope")
+        function_source(cuda_attention_steps, "nope")
     with pytest.raises(nbkv.InvalidArgumentError, match="2 functions named 'reduce'"):
-        function_source(cuda_attention, "reduce")  # one per reducer flavour
+        function_source(cuda_vec, "reduce")  # one per reducer flavour
     with pytest.raises(nbkv.InvalidArgumentError, match="start"):
         excerpt("a\nb", "c")
     with pytest.raises(nbkv.InvalidArgumentError, match="stop"):

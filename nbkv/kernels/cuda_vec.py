@@ -6,7 +6,9 @@ one vector access (``ld.global.v4.u32``: 16 bytes a thread) and widen them to fl
 
 - ``loader(n)``: ``load(arr, (i0, ..., d)) -> (float32,) * n``, elements ``d .. d + n - 1``;
 - ``copier(n)``: ``copy(src, (i0, ..., d), dst, (j0, ..., e))``, the raw bits;
-- ``widener(dtype)``: one stored value as float32.
+- ``widener(dtype)``: one stored value as float32;
+- ``block_reducers(rows, threads)``: the maximum and the sum of per-thread values over a
+  block, every thread receiving the result.
 
 Widening: float16 by the hardware conversion (``cvt.f32.f16``), bfloat16 (stored as
 ``uint16`` bits) by a 16-bit shift and a bit cast, float64 by rounding, no table.
@@ -24,10 +26,20 @@ import os
 import numpy as np
 from numba import cuda
 
-__all__ = ["SIMULATOR", "loader", "copier", "widener", "vector_width", "VECTOR_BYTES"]
+__all__ = [
+    "SIMULATOR",
+    "loader",
+    "copier",
+    "widener",
+    "vector_width",
+    "VECTOR_BYTES",
+    "block_reducers",
+    "reduction_width",
+]
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 VECTOR_BYTES = 16  # the widest load a thread issues (ld.global.v4.u32)
+_FULL_MASK = 0xFFFFFFFF
 
 
 def vector_width(itemsize: int, head_dim: int, arrays=()) -> int:
@@ -232,3 +244,67 @@ else:
         return as_float32
 
     _as_float32 = _bitcast()
+
+
+def reduction_width(threads: int) -> int:
+    """Slots per row of :func:`block_reducers`' buffer: one per warp on a GPU, one per
+    thread under the simulator."""
+    return threads if SIMULATOR else threads // 32
+
+
+def block_reducers(R: int, threads: int):
+    """``(block_max, block_sum)``: ``reduce(vals, buf, t)`` over a block of ``threads``
+    threads of ``R`` float32 values each (``vals``, a local array); every thread ends with
+    the block's result in ``vals``. ``buf``: shared float32 ``[R, reduction_width(threads)]``.
+    Warp shuffles then one slot per warp on a GPU; one slot per thread under the
+    simulator, which has no shuffles. Every thread must call it (two barriers inside)."""
+    width = reduction_width(threads)
+    if SIMULATOR:
+
+        def make(op):
+            @cuda.jit(device=True, inline=True)
+            def reduce(vals, buf, t):
+                for r in range(R):
+                    buf[r, t] = vals[r]
+                cuda.syncthreads()
+                for r in range(R):
+                    acc = buf[r, 0]
+                    for w in range(1, width):
+                        acc = op(acc, buf[r, w])
+                    vals[r] = acc
+                cuda.syncthreads()
+
+            return reduce
+
+    else:
+
+        def make(op):
+            @cuda.jit(device=True, inline=True)
+            def reduce(vals, buf, t):
+                lane = t & 31
+                warp = t >> 5
+                for r in range(R):
+                    x = vals[r]
+                    for off in (16, 8, 4, 2, 1):  # butterfly: every lane gets the result
+                        x = op(x, cuda.shfl_xor_sync(_FULL_MASK, x, off))
+                    if lane == 0:
+                        buf[r, warp] = x
+                cuda.syncthreads()
+                for r in range(R):  # lane 0's values only: the same on every thread
+                    acc = buf[r, 0]
+                    for w in range(1, width):
+                        acc = op(acc, buf[r, w])
+                    vals[r] = acc
+                cuda.syncthreads()
+
+            return reduce
+
+    @cuda.jit(device=True, inline=True)
+    def _max(a, b):
+        return max(a, b)
+
+    @cuda.jit(device=True, inline=True)
+    def _add(a, b):
+        return a + b
+
+    return make(_max), make(_add)

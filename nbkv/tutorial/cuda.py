@@ -132,8 +132,8 @@ def function_source(module: ModuleType, name: str) -> str:
     """The source of the function ``name`` defined in ``module``, at any depth (a device
     function built inside a factory, say), read from the module's file now, dedented.
 
-    >>> import nbkv.kernels.cuda_attention as ca
-    >>> function_source(ca, "block").splitlines()[1]
+    >>> import nbkv.kernels.cuda_attention_steps as steps
+    >>> function_source(steps, "block").splitlines()[1]
     'def block('
 
     Raises
