@@ -355,6 +355,22 @@ def test_paged_attention_kernels_compile_for_h200(name, fused):
         assert ".target sm_90" in ptx and restype == types.void, sig
 
 
+@pytest.mark.parametrize("name, fused", PAGED_ATTENTION)
+def test_paged_attention_kernels_have_no_float64_arithmetic(name, fused):
+    """float32 throughout for every pool but a float64 one (Python floats once made the
+    paged softmax and combine float64); the float64 ``scale`` is converted once."""
+    _nvvm_or_skip()
+    checked = 0
+    for sig in signatures_paged_attention(fused):
+        if types.Array(types.float64, 4, "C") in sig:  # a float64 pool: f64 loads
+            continue
+        ptx = ptx_of("cuda_paged", name, sig)[0]
+        found = sorted(set(_F64_ARITHMETIC.findall(ptx)))
+        assert not found, (sig, found)
+        checked += 1
+    assert checked == 5  # float32, float16 and bfloat16 pools; strided and float16 q
+
+
 @needs_ptxas
 @pytest.mark.parametrize("name, signatures", PAGED_COPIES)
 def test_paged_copy_kernels_assemble_without_spills_or_local_memory(name, signatures):

@@ -27,9 +27,13 @@
   between the write and the reads (no other block reads it: sequences of one step never
   share a block that is written, copy-on-write saw to that).
 
-16-bit storage as in :mod:`nbkv.kernels.cuda_attention`: float16 read as float16,
-bfloat16 as ``uint16`` bits widened by ``table`` (empty otherwise); float32 accumulation;
-the output has q's dtype. NaN and infinities follow IEEE arithmetic.
+16-bit storage as in :mod:`nbkv.kernels.cuda_attention`: float16 read as float16 and
+converted, bfloat16 as ``uint16`` bits widened by a 16-bit shift (a non-empty ``table``,
+what the backend passes for bfloat16, marks them; its entries are not read). float32
+arithmetic throughout, the exponentials in base 2 with ``log2 e`` folded into one FMA a
+score; the output has q's dtype. NaN and infinities follow IEEE arithmetic. Each step of
+a block is a device function (:func:`_tile_steps`, ``_tile_softmax``, ``_combine``, ...),
+inlined at Numba IR level.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ import numpy as np
 from numba import cuda
 
 from .cuda_attention import MAX_HEAD_DIM, ROWS, THREADS, TILE
+from .cuda_attention_steps import last_to_finish, split_span
+from .cuda_vec import widener
 
 __all__ = [
     "write_paged_kernel",
@@ -56,23 +62,40 @@ __all__ = [
 # are not specialised like nbkv.kernels.cuda_attention's)
 _DIMS_PER_THREAD = -(-MAX_HEAD_DIM // THREADS)
 _ACC_SIZE = ROWS * _DIMS_PER_THREAD  # local arrays need a constant size
-_NEG_INF = -math.inf
+# float32 constants: a Python float would make the arithmetic around it float64
+_NEG_INF = np.float32(-np.inf)
+_NAN = np.float32(np.nan)
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+_LOG2E = np.float32(1.4426950408889634)
+_convert = widener(np.float32)  # float16, float32, float64: by conversion
+_bf16 = widener(np.uint16)  # bfloat16 bits: by a 16-bit shift
+
+
+@cuda.jit(device=True, inline=True)
+def _log2(m):
+    """``m * log2 e``, rounded once (an FMA nothing contracts further): weights are
+    ``2 ** (s * log2 e - _log2(m))``, and the combine recomputes the same value."""
+    return cuda.fma(m, _LOG2E, _ZERO)
 
 
 @cuda.jit(device=True, inline=True)
 def _widen(x, table):
-    """A stored value as float32: 16-bit bit patterns through ``table``, floats by cast."""
+    """A stored value as float32. A non-empty ``table`` (what the backend passes for
+    bfloat16 pools) marks ``x`` as bfloat16 bits, widened by a shift; its entries are not
+    read. Floats (float16 included) are converted."""
     if table.shape[0] == 0:
-        return np.float32(x)
-    return table[np.int32(x)]
+        return _convert(x)
+    return _bf16(x)
 
 
 @cuda.jit(device=True, inline=True)
 def _tile_softmax(s, m, den, corr, t):
     """Step 2 of a tile, for query row ``t``: raise its running maximum ``m[t]`` to the
     tile's, rescale its sum ``den[t]`` (the factor left in ``corr[t]`` for the
-    accumulators) and turn its scores ``s[t, :]`` into weights. A row with nothing finite
-    in the tile gets weights 0 (and NaN throughout if a score was NaN)."""
+    accumulators) and turn its scores ``s[t, :]`` into weights, in base 2 with ``log2 e``
+    folded into one FMA a score. A row with nothing finite in the tile gets weights 0
+    (and NaN throughout if a score was NaN)."""
     tile_max = _NEG_INF
     for i in range(TILE):
         tile_max = max(tile_max, s[t, i])
@@ -80,18 +103,19 @@ def _tile_softmax(s, m, den, corr, t):
         poisoned = False
         for i in range(TILE):
             poisoned = poisoned or s[t, i] != s[t, i]
-            s[t, i] = 0.0
-        corr[t] = 1.0
+            s[t, i] = _ZERO
+        corr[t] = _ONE
         if poisoned:  # a NaN score (max() drops NaN): the row's output is NaN
-            m[t] = math.nan
-            den[t] = math.nan
-            corr[t] = math.nan
+            m[t] = _NAN
+            den[t] = _NAN
+            corr[t] = _NAN
     else:
         m_new = max(m[t], tile_max)
-        c = math.exp(m[t] - m_new)  # exp(-inf) = 0 on the first tile
+        shift = _log2(m_new)
+        c = math.exp2(_log2(m[t]) - shift)  # 2 ** -inf = 0 on the first tile
         total = den[t] * c
         for i in range(TILE):
-            w = math.exp(s[t, i] - m_new)
+            w = math.exp2(cuda.fma(s[t, i], _LOG2E, -shift))
             s[t, i] = w
             total += w
         den[t] = total
@@ -163,8 +187,9 @@ def copy_blocks_kernel(src, dst, k_pool, v_pool):
         v_pool[dst[i], x, y, z] = v_pool[src[i], x, y, z]
 
 
-def _make_attend(hnd: bool):
-    """The two attention kernels of one pool layout (``hnd`` a compile-time constant)."""
+def _pool_access(hnd: bool):
+    """``(load, store)``: one element of a pool of the layout, by page and offset, or by
+    slot (``store``)."""
 
     @cuda.jit(device=True, inline=True)
     def load(pool, page, h, off, d):
@@ -181,7 +206,142 @@ def _make_attend(hnd: bool):
         else:
             pool[page, off, h, d] = value
 
-    # inlined into both kernels, as in cuda_attention
+    return load, store
+
+
+@cuda.jit(device=True, inline=True)
+def _load_queries(q, qs, m, den, acc, scale, q0, n_q, kvh, group, r0, rows, t):
+    """The chunk's queries into ``qs``, scale folded in; running state empty."""
+    qscale = np.float32(scale)
+    dim = q.shape[2]
+    for idx in range(t, rows * dim, THREADS):
+        r = idx // dim
+        d = idx - r * dim
+        row = r0 + r
+        qs[r, d] = np.float32(q[q0 + row % n_q, kvh * group + row // n_q, d]) * qscale
+    if t < rows:
+        m[t] = _NEG_INF
+        den[t] = _ZERO
+    for i in range(_ACC_SIZE):
+        acc[i] = _ZERO
+
+
+def _tile_steps(hnd: bool):
+    """``(score_tile, value_tile)``: steps 1 and 3 of a tile, for pools of the layout."""
+    load, store = _pool_access(hnd)
+
+    @cuda.jit(device=True, inline=True)
+    def score_tile(
+        q, qs, s, dots, k, v, slot_mapping, fused, k_pool, v_pool, table, kv_indices, base,
+        bs, q0, n_q, kvh, r0, rows, first, window, chunk, j0, end, t,
+    ):  # fmt: skip
+        """Step 1: thread ``t`` scores position ``j0 + t`` for every row into ``s[:, t]``
+        (-inf where a row does not see it); a fused launch's chunk-0 block also stores a
+        new row at its slot."""
+        j = j0 + t
+        if j < end:
+            for r in range(rows):
+                dots[r] = _ZERO
+            page = kv_indices[base + j // bs]
+            off = j % bs
+            for d in range(q.shape[2]):
+                if fused and j >= first:  # a new row: from k, and into the pool
+                    raw = k[q0 + j - first, kvh, d]
+                    if chunk == 0:
+                        slot = slot_mapping[q0 + j - first]
+                        store(k_pool, slot, bs, kvh, d, raw)
+                        store(v_pool, slot, bs, kvh, d, v[q0 + j - first, kvh, d])
+                else:
+                    raw = load(k_pool, page, kvh, off, d)
+                kd = _widen(raw, table)
+                for r in range(rows):
+                    dots[r] += qs[r, d] * kd
+            for r in range(rows):
+                p = first + (r0 + r) % n_q
+                if j > p or (window > 0 and j <= p - window):
+                    s[r, t] = _NEG_INF
+                else:
+                    s[r, t] = dots[r]
+        else:
+            for r in range(rows):
+                s[r, t] = _NEG_INF
+
+    @cuda.jit(device=True, inline=True)
+    def value_tile(
+        s, corr, acc, v, fused, v_pool, table, kv_indices, base, bs, dim, q0, kvh, rows,
+        first, j0, end, t,
+    ):  # fmt: skip
+        """Step 3: thread ``t`` owns dimensions ``t, t + THREADS, ...``: its accumulators
+        rescaled by ``corr``, then the tile's weighted V rows added (coalesced reads)."""
+        n_tile = min(TILE, end - j0)
+        for k_i in range(_DIMS_PER_THREAD):
+            d = t + k_i * THREADS
+            if d < dim:
+                for r in range(rows):
+                    acc[r * _DIMS_PER_THREAD + k_i] *= corr[r]
+                for i in range(n_tile):
+                    jv = j0 + i
+                    if fused and jv >= first:
+                        vd = _widen(v[q0 + jv - first, kvh, d], table)
+                    else:
+                        vd = _widen(
+                            load(v_pool, kv_indices[base + jv // bs], kvh, jv % bs, d), table
+                        )
+                    for r in range(rows):
+                        acc[r * _DIMS_PER_THREAD + k_i] += s[r, i] * vd
+
+    return score_tile, value_tile
+
+
+@cuda.jit(device=True, inline=True)
+def _write_partial(part_acc, part_stats, acc, m, den, q0, n_q, kvh, group, r0, rows, split, t):
+    """The split's accumulators, maxima and sums to scratch."""
+    dim = part_acc.shape[3]
+    for r in range(rows):
+        row = r0 + r
+        h = kvh * group + row // n_q
+        i = q0 + row % n_q
+        for k_i in range(_DIMS_PER_THREAD):
+            d = t + k_i * THREADS
+            if d < dim:
+                part_acc[i, h, split, d] = acc[r * _DIMS_PER_THREAD + k_i]
+        if t == 0:
+            part_stats[i, h, split, 0] = m[r]
+            part_stats[i, h, split, 1] = den[r]
+
+
+@cuda.jit(device=True, inline=True)
+def _combine(part_acc, part_stats, out, q0, n_q, kvh, group, r0, rows, num_splits, t):
+    """Every split's partial result, weighed by ``2 ** (_log2(m_s) - _log2(M))``, into
+    the output: one (row, dimension) pair a thread at a time."""
+    dim = part_acc.shape[3]
+    for idx in range(t, rows * dim, THREADS):
+        r = idx // dim
+        d = idx - r * dim
+        row = r0 + r
+        h = kvh * group + row // n_q
+        i = q0 + row % n_q
+        top = _NEG_INF
+        for sp in range(num_splits):
+            top = max(top, part_stats[i, h, sp, 0])
+        shift = _log2(top)
+        num = _ZERO
+        total = _ZERO
+        for sp in range(num_splits):
+            mx = part_stats[i, h, sp, 0]
+            if mx != _NEG_INF:
+                w = math.exp2(_log2(mx) - shift)
+                num += w * part_acc[i, h, sp, d]
+                total += w * part_stats[i, h, sp, 1]
+        out[i, h, d] = num / total if total != _ZERO else _NAN
+
+
+def _paged_block(hnd: bool):
+    """The block body both attention kernels of one pool layout call (inlined, as in
+    cuda_attention); ``attend`` passes ``fused=False`` and views of the pools as ``k``,
+    ``v``, never read."""
+    score_tile, value_tile = _tile_steps(hnd)
+
     @cuda.jit(device=True, inline=True)
     def block(
         q, k, v, slot_mapping, fused, k_pool, v_pool, q_indptr, kv_indptr, kv_indices,
@@ -192,7 +352,6 @@ def _make_attend(hnd: bool):
         num_splits = cuda.gridDim.x
         task = cuda.blockIdx.y
         chunk = cuda.blockIdx.z
-        dim = q.shape[2]
         num_kv_heads = k_pool.shape[1] if hnd else k_pool.shape[2]
         bs = k_pool.shape[2] if hnd else k_pool.shape[1]
         group = q.shape[1] // num_kv_heads
@@ -206,10 +365,7 @@ def _make_attend(hnd: bool):
             return
         seq_len = seq_lens[s_id]
         first = seq_len - n_q  # position of the first query, and of the first new row
-        lo = max(0, first - window + 1) if window > 0 else 0
-        per_split = -(-(seq_len - lo) // num_splits)
-        start = lo + split * per_split
-        end = min(seq_len, start + per_split)
+        _, start, end = split_span(seq_len, first, window, split, num_splits)
         base = kv_indptr[s_id]
 
         qs = cuda.shared.array((ROWS, MAX_HEAD_DIM), np.float32)
@@ -221,110 +377,36 @@ def _make_attend(hnd: bool):
         acc = cuda.local.array(_ACC_SIZE, np.float32)
         dots = cuda.local.array(ROWS, np.float32)
 
-        for idx in range(t, rows * dim, THREADS):
-            r = idx // dim
-            d = idx - r * dim
-            row = r0 + r
-            qs[r, d] = np.float32(q[q0 + row % n_q, kvh * group + row // n_q, d]) * scale
-        if t < rows:
-            m[t] = _NEG_INF
-            den[t] = 0.0
-        for i in range(_ACC_SIZE):
-            acc[i] = 0.0
+        _load_queries(q, qs, m, den, acc, scale, q0, n_q, kvh, group, r0, rows, t)
         cuda.syncthreads()
-
         for j0 in range(start, end, TILE):
-            # 1. scores: thread t scores position j for every row
-            j = j0 + t
-            if j < end:
-                for r in range(rows):
-                    dots[r] = 0.0
-                page = kv_indices[base + j // bs]
-                off = j % bs
-                for d in range(dim):
-                    if fused and j >= first:  # a new row: from k, and into the pool
-                        raw = k[q0 + j - first, kvh, d]
-                        if chunk == 0:
-                            slot = slot_mapping[q0 + j - first]
-                            store(k_pool, slot, bs, kvh, d, raw)
-                            store(v_pool, slot, bs, kvh, d, v[q0 + j - first, kvh, d])
-                    else:
-                        raw = load(k_pool, page, kvh, off, d)
-                    kd = _widen(raw, table)
-                    for r in range(rows):
-                        dots[r] += qs[r, d] * kd
-                for r in range(rows):
-                    p = first + (r0 + r) % n_q
-                    if j > p or (window > 0 and j <= p - window):
-                        s[r, t] = _NEG_INF
-                    else:
-                        s[r, t] = dots[r]
-            else:
-                for r in range(rows):
-                    s[r, t] = _NEG_INF
+            score_tile(
+                q, qs, s, dots, k, v, slot_mapping, fused, k_pool, v_pool, table, kv_indices,
+                base, bs, q0, n_q, kvh, r0, rows, first, window, chunk, j0, end, t,
+            )  # fmt: skip
             cuda.syncthreads()
             # 2. online softmax: thread r rescales row r and turns scores into weights
             if t < rows:
                 _tile_softmax(s, m, den, corr, t)
             cuda.syncthreads()
-            # 3. values: thread t owns dimensions t, t + THREADS, ...; reads are coalesced
-            n_tile = min(TILE, end - j0)
-            for k_i in range(_DIMS_PER_THREAD):
-                d = t + k_i * THREADS
-                if d < dim:
-                    for r in range(rows):
-                        acc[r * _DIMS_PER_THREAD + k_i] *= corr[r]
-                    for i in range(n_tile):
-                        jv = j0 + i
-                        if fused and jv >= first:
-                            vd = _widen(v[q0 + jv - first, kvh, d], table)
-                        else:
-                            vd = _widen(
-                                load(v_pool, kv_indices[base + jv // bs], kvh, jv % bs, d), table
-                            )
-                        for r in range(rows):
-                            acc[r * _DIMS_PER_THREAD + k_i] += s[r, i] * vd
+            value_tile(
+                s, corr, acc, v, fused, v_pool, table, kv_indices, base, bs, q.shape[2], q0,
+                kvh, rows, first, j0, end, t,
+            )  # fmt: skip
             cuda.syncthreads()
 
-        for r in range(rows):
-            row = r0 + r
-            h = kvh * group + row // n_q
-            i = q0 + row % n_q
-            for k_i in range(_DIMS_PER_THREAD):
-                d = t + k_i * THREADS
-                if d < dim:
-                    part_acc[i, h, split, d] = acc[r * _DIMS_PER_THREAD + k_i]
-            if t == 0:
-                part_stats[i, h, split, 0] = m[r]
-                part_stats[i, h, split, 1] = den[r]
-        cuda.threadfence()
-        cuda.syncthreads()
-        if t == 0:
-            done = cuda.atomic.add(counters, (task, chunk), 1)
-            last[0] = 1 if done == num_splits - 1 else 0
-        cuda.syncthreads()
-        if last[0] == 1:
-            cuda.threadfence()
-            for idx in range(t, rows * dim, THREADS):
-                r = idx // dim
-                d = idx - r * dim
-                row = r0 + r
-                h = kvh * group + row // n_q
-                i = q0 + row % n_q
-                top = _NEG_INF
-                for sp in range(num_splits):
-                    top = max(top, part_stats[i, h, sp, 0])
-                num = 0.0
-                total = 0.0
-                for sp in range(num_splits):
-                    mx = part_stats[i, h, sp, 0]
-                    if mx != _NEG_INF:
-                        w = math.exp(mx - top)
-                        num += w * part_acc[i, h, sp, d]
-                        total += w * part_stats[i, h, sp, 1]
-                out[i, h, d] = num / total if total != 0.0 else math.nan
+        _write_partial(part_acc, part_stats, acc, m, den, q0, n_q, kvh, group, r0, rows, split, t)
+        if last_to_finish(counters, last, task, chunk, num_splits, t):
+            _combine(part_acc, part_stats, out, q0, n_q, kvh, group, r0, rows, num_splits, t)
             if t == 0:
                 counters[task, chunk] = 0  # ready for the next launch
+
+    return block
+
+
+def _make_attend(hnd: bool):
+    """The two attention kernels of one pool layout (``hnd`` a compile-time constant)."""
+    block = _paged_block(hnd)
 
     @cuda.jit
     def paged_attend(
