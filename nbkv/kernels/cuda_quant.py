@@ -220,8 +220,9 @@ def _code_in(row, d, bits):
     return (byte >> ((d & ((1 << shift) - 1)) * bits)) & ((1 << bits) - 1)
 
 
-def _make_append(bshd: bool):
-    """quant_append's kernel for ``k``, ``v`` in "bhsd" or "bshd" (a compile-time flag)."""
+def _append_steps(bshd: bool):
+    """``(row_of, k_scales, v_scales, pack)``: the device functions of quant_append for
+    ``k``, ``v`` in "bhsd" or "bshd" (a compile-time flag)."""
 
     @cuda.jit(device=True, inline=True)
     def row_of(x, b, h, j, d):
@@ -294,6 +295,13 @@ def _make_append(bshd: bool):
                     x_d = value(x, win, held, table, b, h, g0 + j, d)
                     byte |= _code(x_d, sc, ze, levels) << (s * bits)
             codes[b, h, g0 + j, i] = np.uint8(byte)
+
+    return row_of, k_scales, v_scales, pack
+
+
+def _make_append(bshd: bool):
+    """quant_append's kernel for ``k``, ``v`` in "bhsd" or "bshd" (a compile-time flag)."""
+    row_of, k_scales, v_scales, pack = _append_steps(bshd)
 
     @cuda.jit
     def quant_append(
@@ -475,6 +483,84 @@ def _softmax_row(s, r, nb, m, den, corr):
     corr[r] = c
 
 
+@cuda.jit(device=True, inline=True)
+def _start_rows(q, qs, m, den, qpos, acc, scale, b, kvh, group, r0, rows, first):
+    """The chunk's queries into ``qs``, scale folded in (as float32), each row's query
+    position into ``qpos``; running maxima, sums and accumulators empty."""
+    t = cuda.threadIdx.x
+    n_q, dim = q.shape[2], q.shape[3]
+    f_scale = np.float32(scale)
+    for e in range(t, rows * dim, THREADS):
+        r = _div(e, dim)
+        d = e - r * dim
+        row = r0 + r
+        qs[r, d] = np.float32(q[b, kvh * group + _div(row, n_q), _mod(row, n_q), d]) * f_scale
+    if t < ROWS:
+        m[t] = _NEG_INF
+        den[t] = np.float32(0)
+        qpos[t] = first + _mod(r0 + t, n_q)  # row t's query position
+    for r in range(ROWS):
+        for i in range(_DIMS):
+            acc[r, i] = np.float32(0)
+
+
+@cuda.jit(device=True, inline=True)
+def _score_tile(qs, kv, s, qpos, rows, nb, dim, j0, causal, window):
+    """Step 2: thread t takes the (row, position) pairs t, t + THREADS, ... of the tile;
+    a score its row may not see is -inf. Mutates ``s``."""
+    t = cuda.threadIdx.x
+    for i in range(_PAIRS):
+        e = t + i * THREADS
+        r = e // TILE
+        j = e - r * TILE
+        if r < rows and j < nb:
+            dot = np.float32(0)
+            for d in range(dim):
+                dot += qs[r, d] * kv[j, d]
+            p = qpos[r]
+            if (causal and j0 + j > p) or (window > 0 and j0 + j <= p - window):
+                dot = _NEG_INF
+            s[r, j] = dot
+
+
+@cuda.jit(device=True, inline=True)
+def _accumulate_tile(acc, s, kv, corr, rows, nb, dim):
+    """Step 4: thread t's dimensions t, t + THREADS, ... of every row, rescaled by
+    ``corr``, then the tile's weighted V rows (in ``kv``) added. Mutates ``acc``."""
+    t = cuda.threadIdx.x
+    for r in range(ROWS):
+        if r < rows:
+            for i in range(_DIMS):
+                acc[r, i] *= corr[r]
+    for j in range(nb):
+        for i in range(_DIMS):
+            d = t + i * THREADS
+            if d < dim:
+                x = kv[j, d]
+                for r in range(ROWS):
+                    if r < rows:
+                        acc[r, i] += s[r, j] * x
+
+
+@cuda.jit(device=True, inline=True)
+def _write_rows(out, acc, corr, den, b, kvh, group, r0, rows):
+    """``acc / den`` of every row into ``out`` (NaN for a row with nothing finite).
+    Holds a barrier: every thread of the block calls it."""
+    t = cuda.threadIdx.x
+    n_q, dim = out.shape[2], out.shape[3]
+    if t < rows:
+        corr[t] = np.float32(1) / den[t]  # inf when nothing was finite: 0 * inf = NaN
+    cuda.syncthreads()
+    for r in range(ROWS):
+        if r < rows:
+            row = r0 + r
+            h = kvh * group + _div(row, n_q)
+            for i in range(_DIMS):
+                d = t + i * THREADS
+                if d < dim:
+                    out[b, h, _mod(row, n_q), d] = acc[r, i] * corr[r]
+
+
 @cuda.jit
 def attend_quant_kernel(
     q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_win, v_win, q_len, seq_len,
@@ -511,19 +597,7 @@ def attend_quant_kernel(
     qpos = cuda.shared.array(ROWS, np.int64)  # each row's query position
     acc = cuda.local.array((ROWS, _DIMS), np.float32)  # constant indices: registers
 
-    f_scale = np.float32(scale)
-    for e in range(t, rows * dim, THREADS):
-        r = _div(e, dim)
-        d = e - r * dim
-        row = r0 + r
-        qs[r, d] = np.float32(q[b, kvh * group + _div(row, n_q), _mod(row, n_q), d]) * f_scale
-    if t < ROWS:
-        m[t] = _NEG_INF
-        den[t] = np.float32(0)
-        qpos[t] = first + _mod(r0 + t, n_q)  # row t's query position
-    for r in range(ROWS):
-        for i in range(_DIMS):
-            acc[r, i] = np.float32(0)
+    _start_rows(q, qs, m, den, qpos, acc, scale, b, kvh, group, r0, rows, first)
     current = -1
     j0 = lo
     while j0 < seq_len:
@@ -544,48 +618,14 @@ def attend_quant_kernel(
         # 1. the tile's K, dequantized into shared memory
         _load_tile(kc, True, sc, ze, vs, vz, kw, coded, j0, nb, slot, k_bits, table, kv)
         cuda.syncthreads()
-        # 2. scores: thread t takes the pairs (row, position) t, t + THREADS, ...
-        for i in range(_PAIRS):
-            e = t + i * THREADS
-            r = e // TILE
-            j = e - r * TILE
-            if r < rows and j < nb:
-                dot = np.float32(0)
-                for d in range(dim):
-                    dot += qs[r, d] * kv[j, d]
-                p = qpos[r]
-                if (causal and j0 + j > p) or (window > 0 and j0 + j <= p - window):
-                    dot = _NEG_INF
-                s[r, j] = dot
+        _score_tile(qs, kv, s, qpos, rows, nb, dim, j0, causal, window)  # 2. scores
         cuda.syncthreads()
         # 3. thread r: row r's softmax; every thread: the tile's V over its K
         if t < rows:
             _softmax_row(s, t, nb, m, den, corr)
         _load_tile(vc, False, sc, ze, vs, vz, vw, coded, j0, nb, slot, v_bits, table, kv)
         cuda.syncthreads()
-        # 4. thread t: dimensions t, t + THREADS, ... of every row, rescaled, then V added
-        for r in range(ROWS):
-            if r < rows:
-                for i in range(_DIMS):
-                    acc[r, i] *= corr[r]
-        for j in range(nb):
-            for i in range(_DIMS):
-                d = t + i * THREADS
-                if d < dim:
-                    x = kv[j, d]
-                    for r in range(ROWS):
-                        if r < rows:
-                            acc[r, i] += s[r, j] * x
+        _accumulate_tile(acc, s, kv, corr, rows, nb, dim)  # 4. the values
         cuda.syncthreads()  # before the next tile overwrites kv, s and corr
         j0 = j1
-    if t < rows:
-        corr[t] = np.float32(1) / den[t]  # inf when nothing was finite: 0 * inf = NaN
-    cuda.syncthreads()
-    for r in range(ROWS):
-        if r < rows:
-            row = r0 + r
-            h = kvh * group + _div(row, n_q)
-            for i in range(_DIMS):
-                d = t + i * THREADS
-                if d < dim:
-                    out[b, h, _mod(row, n_q), d] = acc[r, i] * corr[r]
+    _write_rows(out, acc, corr, den, b, kvh, group, r0, rows)
