@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import nbkv
-from nbkv.models import DEFAULT_CONFIG, DEFAULT_MODEL_DIR, Llama, default_weights, llama
+from nbkv.models import DEFAULT_CONFIG, DEFAULT_MODEL_DIR, Llama, default_weights
+from nbkv.models import weights as model_weights
 from nbkv.models.evaluate import bits_per_byte
 from nbkv.models.train import held_out_windows, load_corpus
 
@@ -22,7 +23,7 @@ pytestmark = cpu_only
 
 def test_the_shipped_files_are_what_nbkv_expects():
     weights = (DEFAULT_MODEL_DIR / "model.safetensors").read_bytes()
-    assert hashlib.sha256(weights).hexdigest() == llama.DEFAULT_WEIGHTS_SHA256
+    assert hashlib.sha256(weights).hexdigest() == model_weights.DEFAULT_WEIGHTS_SHA256
     assert len(weights) < 8 * 2**20  # a few MB: float16
     config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
     assert nbkv.models.LlamaConfig.from_dict(config) == DEFAULT_CONFIG
@@ -33,14 +34,14 @@ def test_the_shipped_files_are_what_nbkv_expects():
 
 
 def test_a_damaged_install_is_refused(monkeypatch):
-    llama._shipped_weights.cache_clear()
-    monkeypatch.setattr(llama, "DEFAULT_WEIGHTS_SHA256", "0" * 64)
+    model_weights.shipped_weights.cache_clear()
+    monkeypatch.setattr(model_weights, "DEFAULT_WEIGHTS_SHA256", "0" * 64)
     try:
         with pytest.raises(nbkv.InvalidArgumentError, match="damaged"):
             Llama.default()
     finally:
         monkeypatch.undo()
-        llama._shipped_weights.cache_clear()
+        model_weights.shipped_weights.cache_clear()
     assert Llama.default().config == DEFAULT_CONFIG
 
 
