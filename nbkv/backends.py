@@ -475,8 +475,9 @@ class CUDABackend(CUDAPaged):
 
     def attention_table(self, dtype: np.dtype):
         """bfloat16's widening table on the device (cached); empty for other dtypes. The
-        paged kernels take a non-empty one as the mark of bfloat16 bits (and widen them by
-        a shift, as the contiguous ones do, which take an empty one)."""
+        paged kernels read one entry of it, once a block, to tell bfloat16 bits (widened
+        by a shift, as the contiguous kernels do, which take an empty table) from float16
+        bits; nothing reads the rest."""
         key = str(dtype) if dtype.itemsize == 2 and dtype.kind != "f" else "none"
         tables = self._dev.tables
         if key not in tables:

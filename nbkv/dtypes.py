@@ -91,9 +91,9 @@ def widen_table(dtype: np.dtype) -> np.ndarray:
     Kernels take it as their ``table`` argument. The attention kernels read it only to
     tell the two formats apart (``table[0x3C00]`` is 1.0 for float16) and widen each value
     as they load it, by the CPU's float16 conversion or bfloat16's 16-bit shift; the
-    quantized kernels look up their 16-bit scales in it; the CUDA paged kernels take a
-    non-empty table as the mark of bfloat16 bits and read none of it. For other dtypes an
-    empty table, which kernels never read.
+    quantized kernels look up their 16-bit scales in it; the CUDA paged kernels read
+    ``table[0x3C00]`` to tell the formats apart and look up float16 bits only (a hand
+    launch's). For other dtypes an empty table, which kernels never read.
     """
     if dtype.itemsize != 2:
         return _table_empty

@@ -812,3 +812,47 @@ class PagedMachine(RuleBasedStateMachine):
 
 
 TestPagedMachine = PagedMachine.TestCase
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a hand launch of the CUDA paged kernel")
+@pytest.mark.parametrize("form", ["float16", "float16 bits", "bfloat16 bits", "float32"])
+def test_a_hand_launch_widens_every_pool_form_with_its_table(rng, form):
+    """The paged kernel tells its pool's form from ``table`` (empty: floats; bfloat16's:
+    a shift; float16's, with uint16 bits: a lookup) and attends over the widened values."""
+    from numba import cuda
+
+    from nbkv.dtypes import resolve_dtype, widen_table
+    from nbkv.kernels import cuda_attention, cuda_paged
+    from nbkv.launch import attention_grid
+
+    bs, pages, heads, kv_heads, dim, seq_len = 4, 5, 4, 2, 8, 13
+    x = rng.standard_normal((2, pages, bs, kv_heads, dim)).astype(np.float32)
+    table = np.empty(0, np.float32)
+    if form == "bfloat16 bits":
+        pools = (x.view(np.uint32) >> 16).astype(np.uint16)
+        widened = (pools.astype(np.uint32) << 16).view(np.float32)
+        table = widen_table(resolve_dtype("bfloat16"))
+    elif form == "float16 bits":
+        pools = x.astype(np.float16).view(np.uint16)
+        widened = pools.view(np.float16).astype(np.float32)
+        table = widen_table(np.dtype(np.float16))
+    else:
+        pools = x.astype(form)
+        widened = pools.astype(np.float32)
+    q = rng.standard_normal((1, heads, dim)).astype(np.float32)
+    pages_of_seq = np.array([3, 0, 4, 1], np.int32)
+    i32 = np.int32
+    tables = (np.array([0, 1], i32), np.array([0, 4], i32), pages_of_seq, np.array([seq_len], i32))
+    grid = attention_grid(1, heads, kv_heads, 1, seq_len, sm_count=1, splits=2)
+    shapes = cuda_paged.paged_scratch_shapes(1, heads, dim, grid)
+    part = [cuda.to_device(np.zeros(s, np.int32 if i == 2 else np.float32))
+            for i, s in enumerate(shapes)]  # fmt: skip
+    out = cuda.to_device(np.zeros((1, heads, dim), np.float32))
+    dev = [cuda.to_device(a) for a in (q, pools[0], pools[1], *tables)]
+    cuda_paged.paged_attend_kernel[tuple(grid), cuda_attention.THREADS](
+        *dev, 1 / np.sqrt(dim), 0, cuda.to_device(table), *part, out
+    )
+    K, V = (w[pages_of_seq].reshape(-1, kv_heads, dim)[:seq_len] for w in widened)
+    K, V = (a.astype(np.float64).transpose(1, 0, 2)[None] for a in (K, V))
+    want = reference.attention(q.astype(np.float64).transpose(1, 0, 2)[None], K, V)
+    np.testing.assert_allclose(out.copy_to_host(), want[0].transpose(1, 0, 2), atol=2e-6, rtol=0)

@@ -6,6 +6,8 @@ and plot the notebook shows."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,20 +63,28 @@ def test_bad_arrays_are_typed_errors(rng):
 
 
 # -- the kernel's code, read from its module ------------------------------------------------
-# the device functions notebook 05 prints, in its order
-NOTEBOOK_STEPS = ["score_tile", "softmax_tile", "accumulate_tile", "last_to_finish", "combine"]
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "05_cuda_kernels.ipynb"
+
+
+def _notebook_steps() -> list[str]:
+    """The device functions notebook 05 prints, in its order."""
+    cells = json.loads(NOTEBOOK.read_text(encoding="utf-8"))["cells"]
+    code = "".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    return re.findall(r'function_source\(cuda_attention_steps, "(\w+)"\)', code)
 
 
 def test_function_source_finds_the_nested_steps_the_notebook_prints():
     from nbkv.kernels import cuda_attention_steps as steps
     from nbkv.tutorial.cuda import excerpt, function_source
 
+    names = _notebook_steps()
+    assert names[0] == "block" and len(names) == 7, names
     src = function_source(steps, "block")
     assert src.startswith("@cuda.jit(device=True, inline=True)\ndef block(")
     assert src.rstrip().endswith("counters[task, chunk] = 0  # ready for the next launch")
     body = excerpt(src, "t = cuda.threadIdx.x")
     assert body.startswith("t = cuda.threadIdx.x") and not body.startswith(" ")  # dedented
-    for name in NOTEBOOK_STEPS:
+    for name in names[1:]:
         assert f"{name}(" in body, name  # block calls it
         text = function_source(steps, name)
         assert text.startswith(f"@cuda.jit(device=True, inline=True)\ndef {name}("), name

@@ -15,7 +15,8 @@ compile-time constants (rows per block ``R``, ``head_dim``, vector widths, layou
 
 Every device function is inlined at Numba IR level (``inline=True``), so the kernel
 compiles as if it were written in one piece: per-row arrays keep constant sizes and
-indices, and stay in registers. A step that ends with a barrier says so.
+indices, and stay in registers. A step that holds a barrier (``cuda.syncthreads``) says
+so: every thread of the block must call it.
 """
 
 from __future__ import annotations
@@ -34,16 +35,16 @@ TILE = THREADS
 RED_WIDTH = reduction_width(THREADS)
 _NEG_INF = np.float32(-np.inf)
 _NAN = np.float32(np.nan)
-_LOG2E = np.float32(1.4426950408889634)
+LOG2E = np.float32(1.4426950408889634)
 _ZERO = np.float32(0.0)
 
 
 @cuda.jit(device=True, inline=True)
-def _log2(m):
+def scaled_log2(m):
     """``m * log2 e`` rounded once, by an FMA nothing can contract further: a split's
     weights are relative to this value, and the combine recomputes exactly the same one
     from the stored ``m``, so the rounding cancels."""
-    return cuda.fma(m, _LOG2E, _ZERO)
+    return cuda.fma(m, LOG2E, _ZERO)
 
 
 @cuda.jit(device=True, inline=True)
@@ -65,7 +66,8 @@ def split_span(seq_len, first, window, split, num_splits):
 @cuda.jit(device=True, inline=True)
 def last_to_finish(counters, last, task, chunk, num_splits, t):
     """True on every thread of the last block of (``task``, ``chunk``) to arrive, after
-    a fence (its partial results visible to that block); ``last``: one shared int32."""
+    a fence (its partial results visible to that block); ``last``: one shared int32.
+    Holds barriers."""
     cuda.threadfence()
     cuda.syncthreads()
     if t == 0:
@@ -116,7 +118,8 @@ def _setup_steps(spec, geo, at):
     @cuda.jit(device=True, inline=True)
     def init_rows(bounds, m, lsum, acc, causal, window, r0, rows, n_q, first, start, end, t):
         """Row ``r`` sees positions ``[bounds[r, 0], bounds[r, 1]]`` of this split (none
-        for a row past the chunk); running maxima, sums and accumulators start empty."""
+        for a row past the chunk; thread 0 writes ``bounds``: visible after the next
+        barrier); running maxima, sums and accumulators start empty."""
         for r in range(R):
             row = r0 + r
             p = first + row % n_q
@@ -166,7 +169,7 @@ def _score_step(spec, geo, at):
         qs, ks, dots, bounds, k, v, pos, k_cache, v_cache, b, kvh, chunk, j0, end, t,
     ):  # fmt: skip
         """Steps 1-2: ``dots[r]``, thread ``t``'s position ``j0 + t`` scored against row
-        ``r`` (-inf where the row does not see it)."""
+        ``r`` (-inf where the row does not see it). Holds barriers."""
         j = j0 + t
         for r in range(R):
             dots[r] = _ZERO
@@ -229,10 +232,10 @@ def _value_steps(spec, geo, at):
         block_max(corr, red, t)
         for r in range(R):
             m_new = max(m[r], corr[r])
-            shift = _finite_or_zero(_log2(m_new))  # nothing finite yet: 0, not -inf
-            c_r = math.exp2(_log2(m[r]) - shift)  # 0 on the first tile
+            shift = _finite_or_zero(scaled_log2(m_new))  # nothing finite yet: 0, not -inf
+            c_r = math.exp2(scaled_log2(m[r]) - shift)  # 0 on the first tile
             # log2 e folded into one fused multiply-add per score; 0 for a -inf score
-            w = math.exp2(cuda.fma(dots[r], _LOG2E, -shift))
+            w = math.exp2(cuda.fma(dots[r], LOG2E, -shift))
             lsum[r] = lsum[r] * c_r + w
             m[r] = m_new
             pw[t, r] = w
@@ -346,7 +349,8 @@ def _combine_step(spec):
         part_acc, part_stats, out, m, lsum, corr, pw, red, b, kvh, group, n_q, r0, rows,
         num_splits, t,
     ):  # fmt: skip
-        """Every split's partial result, weighed by its maximum, into the output."""
+        """Every split's partial result, weighed by its maximum, into the output. Holds
+        barriers."""
         # a. each row's largest split maximum, threads spread over the splits (loops
         # over rows innermost, so that they unroll and m stays in registers)
         for r in range(R):
@@ -363,7 +367,7 @@ def _combine_step(spec):
             num[i] = _ZERO
         for r in range(R):
             lsum[r] = _ZERO
-            corr[r] = _finite_or_zero(_log2(m[r]))
+            corr[r] = _finite_or_zero(scaled_log2(m[r]))
         # b. splits THREADS at a time: thread t weighs split s0 + t of every row (into
         # pw), then every thread adds the weighted accumulators of its dimensions
         for s0 in range(0, num_splits, THREADS):
@@ -374,7 +378,7 @@ def _combine_step(spec):
                     row = r0 + r
                     h = kvh * group + row // n_q
                     mx = part_stats[b, h, row % n_q, sp, 0]
-                    w = math.exp2(_log2(mx) - corr[r])  # 0 for an empty split
+                    w = math.exp2(scaled_log2(mx) - corr[r])  # 0 for an empty split
                     lsum[r] += w * part_stats[b, h, row % n_q, sp, 1]
                 pw[t, r] = w
             cuda.syncthreads()

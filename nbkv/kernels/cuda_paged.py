@@ -19,7 +19,8 @@
   num_kv_heads, longest new run, longest visible span)`` sizes the grid, and
   :func:`paged_scratch_shapes` the scratch (``counters`` zero before the launch; the
   kernel leaves them at zero). Blocks of a chunk a shorter sequence lacks, or of a split
-  past its end, return at once.
+  past its end, do no tile work but still write an empty partial (maximum -inf, sum 0)
+  and count in, so that the last block's combine runs.
 - ``paged_append_attend_kernel`` (and ``_hnd``), the same with ``k, v, slot_mapping``
   after ``q``: it writes the step's new rows as it attends, in one launch. A sequence's
   new positions are its last ``n`` (its queries); the chunk-0 block whose split holds one
@@ -29,9 +30,12 @@
 
 16-bit storage as in :mod:`nbkv.kernels.cuda_attention`: float16 read as float16 and
 converted, bfloat16 as ``uint16`` bits widened by a 16-bit shift (a non-empty ``table``,
-what the backend passes for bfloat16, marks them; its entries are not read). float32
-arithmetic throughout, the exponentials in base 2 with ``log2 e`` folded into one FMA a
-score; the output has q's dtype. NaN and infinities follow IEEE arithmetic. Each step of
+what the backend passes for bfloat16, marks them: one entry is read, once a block, to
+tell it from float16's, which hand launches storing float16 as ``uint16`` bits may pass
+and which is then looked up). float32 arithmetic throughout, the exponentials in base 2
+with ``log2 e`` folded into one FMA a score (as the contiguous kernel: scores beyond
+about +-2.3e38, where ``s * log2 e`` overflows float32, give NaN); the output has q's
+dtype. NaN and infinities follow IEEE arithmetic. Each step of
 a block is a device function (:func:`_tile_steps`, ``_tile_softmax``, ``_combine``, ...),
 inlined at Numba IR level.
 """
@@ -44,7 +48,7 @@ import numpy as np
 from numba import cuda
 
 from .cuda_attention import MAX_HEAD_DIM, ROWS, THREADS, TILE
-from .cuda_attention_steps import last_to_finish, split_span
+from .cuda_attention_steps import LOG2E, last_to_finish, scaled_log2, split_span
 from .cuda_vec import widener
 
 __all__ = [
@@ -67,26 +71,31 @@ _NEG_INF = np.float32(-np.inf)
 _NAN = np.float32(np.nan)
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
-_LOG2E = np.float32(1.4426950408889634)
 _convert = widener(np.float32)  # float16, float32, float64: by conversion
 _bf16 = widener(np.uint16)  # bfloat16 bits: by a 16-bit shift
 
 
 @cuda.jit(device=True, inline=True)
-def _log2(m):
-    """``m * log2 e``, rounded once (an FMA nothing contracts further): weights are
-    ``2 ** (s * log2 e - _log2(m))``, and the combine recomputes the same value."""
-    return cuda.fma(m, _LOG2E, _ZERO)
+def _widen_mode(table):
+    """How a block widens its pool's values, from ``table`` (one read, once a block): 0
+    converts (floats: an empty table), 1 shifts bfloat16 bits (a bfloat16 table, what
+    the backend passes), 2 looks 16-bit bits up in the table (float16 stored as
+    ``uint16`` bits with its table, the CPU's convention, for hand launches)."""
+    if table.shape[0] == 0:
+        return 0
+    if table[0x3C00] == _ONE:  # float16's 1.0; as bfloat16 these bits are 2 ** -7
+        return 2
+    return 1
 
 
 @cuda.jit(device=True, inline=True)
-def _widen(x, table):
-    """A stored value as float32. A non-empty ``table`` (what the backend passes for
-    bfloat16 pools) marks ``x`` as bfloat16 bits, widened by a shift; its entries are not
-    read. Floats (float16 included) are converted."""
-    if table.shape[0] == 0:
+def _widen(x, table, mode):
+    """A stored value as float32, as :func:`_widen_mode` said."""
+    if mode == 0:
         return _convert(x)
-    return _bf16(x)
+    if mode == 1:
+        return _bf16(x)
+    return table[np.int32(x)]
 
 
 @cuda.jit(device=True, inline=True)
@@ -111,11 +120,11 @@ def _tile_softmax(s, m, den, corr, t):
             corr[t] = _NAN
     else:
         m_new = max(m[t], tile_max)
-        shift = _log2(m_new)
-        c = math.exp2(_log2(m[t]) - shift)  # 2 ** -inf = 0 on the first tile
+        shift = scaled_log2(m_new)
+        c = math.exp2(scaled_log2(m[t]) - shift)  # 2 ** -inf = 0 on the first tile
         total = den[t] * c
         for i in range(TILE):
-            w = math.exp2(cuda.fma(s[t, i], _LOG2E, -shift))
+            w = math.exp2(cuda.fma(s[t, i], LOG2E, -shift))
             s[t, i] = w
             total += w
         den[t] = total
@@ -232,8 +241,8 @@ def _tile_steps(hnd: bool):
 
     @cuda.jit(device=True, inline=True)
     def score_tile(
-        q, qs, s, dots, k, v, slot_mapping, fused, k_pool, v_pool, table, kv_indices, base,
-        bs, q0, n_q, kvh, r0, rows, first, window, chunk, j0, end, t,
+        q, qs, s, dots, k, v, slot_mapping, fused, k_pool, v_pool, table, mode, kv_indices,
+        base, bs, q0, n_q, kvh, r0, rows, first, window, chunk, j0, end, t,
     ):  # fmt: skip
         """Step 1: thread ``t`` scores position ``j0 + t`` for every row into ``s[:, t]``
         (-inf where a row does not see it); a fused launch's chunk-0 block also stores a
@@ -253,7 +262,7 @@ def _tile_steps(hnd: bool):
                         store(v_pool, slot, bs, kvh, d, v[q0 + j - first, kvh, d])
                 else:
                     raw = load(k_pool, page, kvh, off, d)
-                kd = _widen(raw, table)
+                kd = _widen(raw, table, mode)
                 for r in range(rows):
                     dots[r] += qs[r, d] * kd
             for r in range(rows):
@@ -268,8 +277,8 @@ def _tile_steps(hnd: bool):
 
     @cuda.jit(device=True, inline=True)
     def value_tile(
-        s, corr, acc, v, fused, v_pool, table, kv_indices, base, bs, dim, q0, kvh, rows,
-        first, j0, end, t,
+        s, corr, acc, v, fused, v_pool, table, mode, kv_indices, base, bs, dim, q0, kvh,
+        rows, first, j0, end, t,
     ):  # fmt: skip
         """Step 3: thread ``t`` owns dimensions ``t, t + THREADS, ...``: its accumulators
         rescaled by ``corr``, then the tile's weighted V rows added (coalesced reads)."""
@@ -282,10 +291,10 @@ def _tile_steps(hnd: bool):
                 for i in range(n_tile):
                     jv = j0 + i
                     if fused and jv >= first:
-                        vd = _widen(v[q0 + jv - first, kvh, d], table)
+                        vd = _widen(v[q0 + jv - first, kvh, d], table, mode)
                     else:
                         vd = _widen(
-                            load(v_pool, kv_indices[base + jv // bs], kvh, jv % bs, d), table
+                            load(v_pool, kv_indices[base + jv // bs], kvh, jv % bs, d), table, mode
                         )
                     for r in range(rows):
                         acc[r * _DIMS_PER_THREAD + k_i] += s[r, i] * vd
@@ -294,9 +303,10 @@ def _tile_steps(hnd: bool):
 
 
 @cuda.jit(device=True, inline=True)
-def _write_partial(part_acc, part_stats, acc, m, den, q0, n_q, kvh, group, r0, rows, split, t):
+def _write_partial(
+    part_acc, part_stats, acc, m, den, dim, q0, n_q, kvh, group, r0, rows, split, t,
+):  # fmt: skip
     """The split's accumulators, maxima and sums to scratch."""
-    dim = part_acc.shape[3]
     for r in range(rows):
         row = r0 + r
         h = kvh * group + row // n_q
@@ -311,10 +321,9 @@ def _write_partial(part_acc, part_stats, acc, m, den, q0, n_q, kvh, group, r0, r
 
 
 @cuda.jit(device=True, inline=True)
-def _combine(part_acc, part_stats, out, q0, n_q, kvh, group, r0, rows, num_splits, t):
-    """Every split's partial result, weighed by ``2 ** (_log2(m_s) - _log2(M))``, into
-    the output: one (row, dimension) pair a thread at a time."""
-    dim = part_acc.shape[3]
+def _combine(part_acc, part_stats, out, dim, q0, n_q, kvh, group, r0, rows, num_splits, t):
+    """Every split's partial result, weighed by ``2 ** (scaled_log2(m_s) -
+    scaled_log2(M))``, into the output: one (row, dimension) pair a thread at a time."""
     for idx in range(t, rows * dim, THREADS):
         r = idx // dim
         d = idx - r * dim
@@ -324,13 +333,13 @@ def _combine(part_acc, part_stats, out, q0, n_q, kvh, group, r0, rows, num_split
         top = _NEG_INF
         for sp in range(num_splits):
             top = max(top, part_stats[i, h, sp, 0])
-        shift = _log2(top)
+        shift = scaled_log2(top)
         num = _ZERO
         total = _ZERO
         for sp in range(num_splits):
             mx = part_stats[i, h, sp, 0]
             if mx != _NEG_INF:
-                w = math.exp2(_log2(mx) - shift)
+                w = math.exp2(scaled_log2(mx) - shift)
                 num += w * part_acc[i, h, sp, d]
                 total += w * part_stats[i, h, sp, 1]
         out[i, h, d] = num / total if total != _ZERO else _NAN
@@ -352,6 +361,7 @@ def _paged_block(hnd: bool):
         num_splits = cuda.gridDim.x
         task = cuda.blockIdx.y
         chunk = cuda.blockIdx.z
+        dim = q.shape[2]
         num_kv_heads = k_pool.shape[1] if hnd else k_pool.shape[2]
         bs = k_pool.shape[2] if hnd else k_pool.shape[1]
         group = q.shape[1] // num_kv_heads
@@ -378,11 +388,12 @@ def _paged_block(hnd: bool):
         dots = cuda.local.array(ROWS, np.float32)
 
         _load_queries(q, qs, m, den, acc, scale, q0, n_q, kvh, group, r0, rows, t)
+        mode = _widen_mode(table)
         cuda.syncthreads()
         for j0 in range(start, end, TILE):
             score_tile(
-                q, qs, s, dots, k, v, slot_mapping, fused, k_pool, v_pool, table, kv_indices,
-                base, bs, q0, n_q, kvh, r0, rows, first, window, chunk, j0, end, t,
+                q, qs, s, dots, k, v, slot_mapping, fused, k_pool, v_pool, table, mode,
+                kv_indices, base, bs, q0, n_q, kvh, r0, rows, first, window, chunk, j0, end, t,
             )  # fmt: skip
             cuda.syncthreads()
             # 2. online softmax: thread r rescales row r and turns scores into weights
@@ -390,14 +401,16 @@ def _paged_block(hnd: bool):
                 _tile_softmax(s, m, den, corr, t)
             cuda.syncthreads()
             value_tile(
-                s, corr, acc, v, fused, v_pool, table, kv_indices, base, bs, q.shape[2], q0,
+                s, corr, acc, v, fused, v_pool, table, mode, kv_indices, base, bs, dim, q0,
                 kvh, rows, first, j0, end, t,
             )  # fmt: skip
             cuda.syncthreads()
 
-        _write_partial(part_acc, part_stats, acc, m, den, q0, n_q, kvh, group, r0, rows, split, t)
+        _write_partial(
+            part_acc, part_stats, acc, m, den, dim, q0, n_q, kvh, group, r0, rows, split, t,
+        )  # fmt: skip
         if last_to_finish(counters, last, task, chunk, num_splits, t):
-            _combine(part_acc, part_stats, out, q0, n_q, kvh, group, r0, rows, num_splits, t)
+            _combine(part_acc, part_stats, out, dim, q0, n_q, kvh, group, r0, rows, num_splits, t)
             if t == 0:
                 counters[task, chunk] = 0  # ready for the next launch
 

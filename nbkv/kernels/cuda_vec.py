@@ -259,26 +259,29 @@ def block_reducers(R: int, threads: int):
     Warp shuffles then one slot per warp on a GPU; one slot per thread under the
     simulator, which has no shuffles. Every thread must call it (two barriers inside)."""
     width = reduction_width(threads)
-    if SIMULATOR:
 
-        def make(op):
+    def make(op):
+        @cuda.jit(device=True, inline=True)
+        def gather(vals, buf):
+            """Every slot of ``buf`` reduced into ``vals`` (the same on every thread)."""
+            for r in range(R):
+                acc = buf[r, 0]
+                for w in range(1, width):
+                    acc = op(acc, buf[r, w])
+                vals[r] = acc
+            cuda.syncthreads()
+
+        if SIMULATOR:
+
             @cuda.jit(device=True, inline=True)
             def reduce(vals, buf, t):
                 for r in range(R):
                     buf[r, t] = vals[r]
                 cuda.syncthreads()
-                for r in range(R):
-                    acc = buf[r, 0]
-                    for w in range(1, width):
-                        acc = op(acc, buf[r, w])
-                    vals[r] = acc
-                cuda.syncthreads()
+                gather(vals, buf)
 
-            return reduce
+        else:
 
-    else:
-
-        def make(op):
             @cuda.jit(device=True, inline=True)
             def reduce(vals, buf, t):
                 lane = t & 31
@@ -290,14 +293,9 @@ def block_reducers(R: int, threads: int):
                     if lane == 0:
                         buf[r, warp] = x
                 cuda.syncthreads()
-                for r in range(R):  # lane 0's values only: the same on every thread
-                    acc = buf[r, 0]
-                    for w in range(1, width):
-                        acc = op(acc, buf[r, w])
-                    vals[r] = acc
-                cuda.syncthreads()
+                gather(vals, buf)  # lane 0's values only
 
-            return reduce
+        return reduce
 
     @cuda.jit(device=True, inline=True)
     def _max(a, b):
