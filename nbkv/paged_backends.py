@@ -112,7 +112,7 @@ class CPUPaged:
 
 
 class CUDAPaged:
-    """Mixed into :class:`nbkv.backends.CUDABackend`: launches of
+    """Mixed into :class:`nbkv.cuda_backend.CUDABackend`: launches of
     :mod:`nbkv.kernels.cuda_paged` (compiled on first use)."""
 
     _dev: Any

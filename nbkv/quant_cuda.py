@@ -1,7 +1,7 @@
 """The quantized cache's kernels on CUDA: the host side of :mod:`nbkv.kernels.cuda_quant`.
 
 :class:`CUDAQuant` implements :class:`nbkv.quant_backends.QuantBackend` for a
-:class:`nbkv.backends.CUDABackend`: every array it is given is a device array in kernel
+:class:`nbkv.cuda_backend.CUDABackend`: every array it is given is a device array in kernel
 form (16-bit floats as uint16 bits); it sizes each launch, picks the kernel of the
 backend's layout once, and never copies between host and device.
 """
@@ -48,7 +48,7 @@ def _check_index(st: Any) -> None:
 
 class CUDAQuant:
     """The ``@cuda.jit`` kernels of :mod:`nbkv.kernels.cuda_quant` for one
-    :class:`nbkv.backends.CUDABackend` (its ``layout`` picks the append kernel).
+    :class:`nbkv.cuda_backend.CUDABackend` (its ``layout`` picks the append kernel).
 
     Launch geometry: ``append`` runs ``(batch * heads, splits)`` blocks of
     :data:`~nbkv.kernels.cuda_quant.THREADS`, one split per group to quantize (one if

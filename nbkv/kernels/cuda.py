@@ -6,7 +6,7 @@ grid-stride loop. Consecutive threads take consecutive elements in the cache's m
 order (``head_dim`` fastest), so the reads of a C-contiguous input and the writes into the
 cache are coalesced. 16-bit floats travel as ``uint16`` bit patterns, as on the CPU.
 
-Launch them with :func:`nbkv.backends.launch_config`, or any 1-D grid: the loop covers
+Launch them with :func:`nbkv.launch_config`, or any 1-D grid: the loop covers
 every element whatever the grid size.
 """
 
