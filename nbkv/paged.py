@@ -28,13 +28,17 @@ every layer has them, the blocks the step filled join the prefix cache) and
 :meth:`~PagedKVCache.check_step`. A paged cache is not a :class:`nbkv.protocol.LayerCache`
 (it holds many sequences, not one batch): ``nbkv.attention`` and ``nbkv.save`` do not take
 it.
+
+The class is in three modules: this one (what it is, sequences, writing and what attention
+reads), :mod:`nbkv.paged_reserve` (``reserve``, ``blocks_needed``, ``check_step``) and
+:mod:`nbkv.paged_prefix` (blocks in and out for a K/V store: ``block_shape``,
+``prefix_keys``, ``read_blocks``, ``load_prefix``), mixed in.
 """
 
 from __future__ import annotations
 
 import itertools
 import numbers
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -50,10 +54,10 @@ from .errors import (
     DTypeMismatchError,
     InvalidArgumentError,
     LayerIndexError,
-    OutOfBlocksError,
     ShapeMismatchError,
-    StaleStepError,
 )
+from .paged_prefix import PagedPrefixMixin
+from .paged_reserve import PagedReserveMixin, _Seq, _tokens
 from .paged_step import PagedStep
 
 _MAX_SLOTS = 2**31 - 1  # slots are int32
@@ -65,14 +69,6 @@ __all__ = ["PagedKVCache", "PAGED_LAYOUTS", "PagedView"]
 # default); "hnd": [num_blocks, num_kv_heads, block_size, head_dim]. A block of "nhd" is
 # laid out as a "bshd" batch row, one of "hnd" as a "bhsd" one: the backends' layouts.
 PAGED_LAYOUTS = {"nhd": "bshd", "hnd": "bhsd"}
-
-
-@dataclass
-class _Seq:
-    blocks: list[int]
-    seq_len: int = 0
-    tokens: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
-    keys: list[bytes] = field(default_factory=list)  # the prefix key of each full block
 
 
 class PagedView(NamedTuple):
@@ -87,42 +83,7 @@ class PagedView(NamedTuple):
     head_dim: int
 
 
-def _count_or_tokens(value: Any, sid: int) -> tuple[int, np.ndarray | None]:
-    """A reserve entry: a count (int >= 1) or token ids (1-D integer array, >= 1 long)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise ArgumentTypeError(f"reserve[{sid}] must be a count (int) or token ids, got bool")
-    if isinstance(value, numbers.Integral):
-        if value < 1:
-            raise InvalidArgumentError(f"reserve[{sid}] must be a count >= 1, got {value}")
-        return int(value), None
-    tokens = _tokens(value, f"reserve[{sid}]")
-    return len(tokens), tokens
-
-
-def _tokens(value: Any, name: str) -> np.ndarray:
-    if isinstance(value, (str, bytes, float, numbers.Real)) or value is None:
-        raise ArgumentTypeError(
-            f"{name} must be a 1-D integer array of token ids, got {type(value).__name__}"
-        )
-    try:
-        arr = np.asarray(value)
-    except (TypeError, ValueError) as err:
-        raise ArgumentTypeError(
-            f"{name} must be a 1-D integer array of token ids ({err})"
-        ) from None
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise ArgumentTypeError(
-            f"{name} must be a 1-D integer array of token ids, got dtype {arr.dtype}, "
-            f"shape {arr.shape}"
-        )
-    if arr.size == 0:
-        raise InvalidArgumentError(f"{name} must hold at least one token id")
-    if arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max:
-        raise InvalidArgumentError(f"{name} holds ids outside int32")
-    return arr.astype(np.int32)
-
-
-class PagedKVCache:
+class PagedKVCache(PagedReserveMixin, PagedPrefixMixin):
     """K/V of many sequences in blocks of a shared pool, per layer.
 
     Parameters
@@ -425,323 +386,6 @@ class PagedKVCache:
             k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
         k, v = (np.ascontiguousarray(x[:, : seq.seq_len]) for x in (k, v))
         return be.to_device(k), be.to_device(v)
-
-    # -- blocks in and out: a second tier (nbkv.store, through nbkv.serving) -------------
-
-    @property
-    def block_shape(self) -> tuple[int, int, int]:
-        """One block of one layer's K (or V) pool: ``(block_size, num_kv_heads, head_dim)``
-        for ``"nhd"``, ``(num_kv_heads, block_size, head_dim)`` for ``"hnd"``."""
-        return tuple(int(x) for x in self._k[0].shape[1:])
-
-    def prefix_keys(self, tokens: Any) -> list[bytes]:
-        """The prefix-cache key of every full block of ``tokens``, in order (the hash chain
-        of :mod:`nbkv._blocks`, rooted in this cache's block size, dtype and layout: two
-        caches agree on a key exactly when they agree on those and on the tokens before
-        it). Nothing is changed or counted."""
-        toks, bs = _tokens(tokens, "tokens"), self._block_size
-        keys, parent = [], self._root
-        for i in range(len(toks) // bs):
-            parent = block_key(parent, toks[i * bs : (i + 1) * bs])
-            keys.append(parent)
-        return keys
-
-    def _block_ids(self, blocks: Any) -> list[int]:
-        try:
-            arr = np.asarray(blocks)
-        except (TypeError, ValueError) as err:
-            raise ArgumentTypeError(f"blocks must be a 1-D array of block ids ({err})") from None
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise ArgumentTypeError(
-                f"blocks must be a 1-D integer array of block ids, got dtype {arr.dtype}, "
-                f"shape {arr.shape}"
-            )
-        if arr.size and (arr.min() < 0 or arr.max() >= self._num_blocks):
-            raise InvalidArgumentError(
-                f"blocks must be ids in [0, {self._num_blocks}), got {arr.min()}..{arr.max()}"
-            )
-        return [int(b) for b in arr]
-
-    def read_blocks(self, blocks: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of ``blocks``' K and V in every layer: two arrays
-        ``[num_layers, len(blocks), *block_shape]`` of the cache's dtype (what a K/V store
-        keeps of a block). Nothing is changed."""
-        ids = self._block_ids(blocks)
-        shape = (self._num_layers, len(ids), *self.block_shape)
-        k, v = np.empty(shape, self._dtype), np.empty(shape, self._dtype)
-        be = self._backend
-        for i in range(self._num_layers):
-            for j, b in enumerate(ids):
-                k[i, j] = be.to_host(self._k[i][b], self._dtype)
-                v[i, j] = be.to_host(self._v[i][b], self._dtype)
-        return k, v
-
-    def load_prefix(self, tokens: Any, k: Any, v: Any, *, first_block: int) -> int:
-        """Put K/V computed elsewhere into the prefix cache, as if this cache had computed
-        them: full blocks ``first_block, first_block + 1, ...`` of ``tokens``, whose first
-        ``first_block`` blocks this cache must already match (``match(tokens)``). ``k`` and
-        ``v``: host arrays ``[num_layers, n, *block_shape]`` of the cache's dtype. The
-        blocks join the prefix cache as cached (evictable) blocks, newest last, so that
-        ``add(tokens)`` then starts past them. Returns the positions ``add(tokens)`` would
-        now hold from cached blocks. All or nothing (a failed copy leaves no block keyed).
-
-        Raises
-        ------
-        ArgumentTypeError, InvalidArgumentError, ShapeMismatchError, DTypeMismatchError
-            Bad tokens or arrays; no prefix caching; ``first_block`` is not what the cache
-            matches; more blocks than ``tokens`` fills.
-        OutOfBlocksError
-            More blocks than are free or evictable (the matched ones excepted).
-        """
-        if not self._prefix_caching:
-            raise InvalidArgumentError("load_prefix needs a cache built with prefix_caching=True")
-        toks, bs = _tokens(tokens, "tokens"), self._block_size
-        first = nonnegative_int(first_block, "first_block")
-        k, v = (self._host_blocks(x, name) for x, name in ((k, "k"), (v, "v")))
-        if k.shape != v.shape:
-            raise ShapeMismatchError(f"k and v must have one shape, got {k.shape} and {v.shape}")
-        n = k.shape[1]
-        matched, keys = self._match(toks)
-        if len(matched) != first:
-            raise InvalidArgumentError(
-                f"first_block must be the blocks the cache matches of tokens ({len(matched)}), "
-                f"got {first}"
-            )
-        if (first + n) * bs > len(toks):
-            raise InvalidArgumentError(
-                f"{n} blocks after block {first} need {(first + n) * bs} tokens, got {len(toks)}"
-            )
-        if n == 0:
-            return first * bs
-        pool = self._pool
-        targets = pool.spare(n, keep=set(matched))  # free blocks first, then the oldest cached
-        if len(targets) < n:
-            raise OutOfBlocksError(
-                f"load_prefix needs {n} blocks but {len(targets)} are free or evictable "
-                f"(the {first} blocks it extends excepted)"
-            )
-        self._copy_in(targets, k, v)
-        # every copy is made: from here on only bookkeeping
-        parent_key = keys[-1] if keys else self._root
-        parent = pool.identity(matched[-1]) if matched else None
-        for j, b in enumerate(targets):
-            pool.take(b)
-            block_toks = toks[(first + j) * bs : (first + j + 1) * bs]
-            parent_key = block_key(parent_key, block_toks)
-            pool.register(b, parent_key, block_toks, parent)
-            parent = pool.identity(b)
-        pool.release(targets)
-        self._changed()
-        return (first + n) * bs
-
-    def _host_blocks(self, x: Any, name: str) -> np.ndarray:
-        arr = np.asarray(x) if isinstance(x, np.ndarray) else None
-        if arr is None:
-            raise ArgumentTypeError(f"{name} must be a host NumPy array, got {type(x).__name__}")
-        want = (self._num_layers, *self.block_shape)
-        if arr.ndim != 5 or (arr.shape[0], *arr.shape[2:]) != want:
-            raise ShapeMismatchError(
-                f"{name} must be [num_layers, n, *block_shape] = [{want[0]}, n, "
-                f"{', '.join(map(str, want[1:]))}], got shape {arr.shape}"
-            )
-        if arr.dtype != self._dtype:
-            raise DTypeMismatchError(
-                f"{name} has dtype {arr.dtype} but this cache holds {self._dtype}; nbkv never casts"
-            )
-        return arr
-
-    def _copy_in(self, targets: list[int], k: np.ndarray, v: np.ndarray) -> None:
-        """K/V blocks into ``targets`` of every layer's pools, as rows at their slots; if a
-        copy fails, a cached block written into part-way leaves the prefix cache."""
-        bs, be = self._block_size, self._backend
-        slots = (np.array(targets, np.int64)[:, None] * bs + np.arange(bs)).ravel()
-        rows = (-1, self._num_kv_heads, self._head_dim)
-
-        def as_rows(x: np.ndarray) -> np.ndarray:  # [n, *block] -> [n * bs, heads, dim]
-            x = x if self._layout == "nhd" else x.transpose(0, 2, 1, 3)
-            return np.ascontiguousarray(x).reshape(rows)
-
-        try:
-            slots_d = be.to_device(slots.astype(np.int32))
-            for i in range(self._num_layers):
-                kr = be.to_kernel(be.adopt(as_rows(k[i]), "k"))
-                vr = be.to_kernel(be.adopt(as_rows(v[i]), "v"))
-                be.write_paged(kr, vr, slots_d, self._kk[i], self._vk[i])
-        except BaseException:
-            for b in targets:
-                if b in self._pool.cached:
-                    self._pool.forget(b)
-            raise
-
-    # -- steps -------------------------------------------------------------------------
-
-    def reserve(self, requests: Any) -> PagedStep:
-        """Room for the next positions of the sequences named; the step's arrays.
-
-        ``requests`` maps a live sequence id to a count (int >= 1) or to the token ids
-        of its new positions (a 1-D integer array; required with prefix caching). Blocks
-        a write would share (forked, or registered in the prefix cache) are copied
-        first, in every layer, so that the step's slots point at private blocks. All or
-        nothing.
-
-        Raises
-        ------
-        ArgumentTypeError, InvalidArgumentError
-            Not a dict, no sequence named, an id not live, a bad count or token array,
-            a count where prefix caching needs token ids.
-        OutOfBlocksError
-            The step needs more new blocks (copies included) than ``num_free_blocks``.
-        """
-        plan = self._plan(requests)
-        copies, need = self._count(plan)
-        pool = self._pool
-        if need > pool.available:
-            raise OutOfBlocksError(
-                f"the step needs {need} blocks ({need - len(copies)} new, {len(copies)} "
-                f"copies on write) but {pool.available} are free or evictable "
-                f"(num_blocks {self._num_blocks}); free or trim sequences, or build the "
-                "cache with more blocks"
-            )
-        return self._commit(plan, copies, need)
-
-    def blocks_needed(self, requests: Any) -> int:
-        """The blocks ``reserve(requests)`` would take (new ones and copies on write),
-        with every check ``reserve`` makes and nothing changed: a scheduler compares it
-        with :attr:`num_free_blocks` before it commits to a step."""
-        return self._count(self._plan(requests))[1]
-
-    def _count(self, plan) -> tuple[list, int]:
-        """(sequences whose last block is copied on write, blocks the step takes)."""
-        pool, bs = self._pool, self._block_size
-        # a copy of every shared (or registered) last block that receives positions, in
-        # order: a sequence that leaves a shared block lets its last holder write in place
-        leaving: dict[int, int] = {}
-        copies, need = [], 0
-        for seq, n, _ in plan:
-            if seq.seq_len % bs:
-                last = seq.blocks[-1]
-                holders = int(pool.refs[last]) - leaving.get(last, 0)
-                if holders > 1 or pool.key[last] is not None:
-                    copies.append(seq)
-                    leaving[last] = leaving.get(last, 0) + 1
-            need += -(-(seq.seq_len + n) // bs) - len(seq.blocks)
-        return copies, need + len(copies)
-
-    def _plan(self, requests: Any) -> list[tuple[_Seq, int, np.ndarray | None]]:
-        if not isinstance(requests, dict):
-            raise ArgumentTypeError(
-                f"reserve takes a dict of sequence id -> count or token ids, got "
-                f"{type(requests).__name__}"
-            )
-        if not requests:
-            raise InvalidArgumentError("reserve needs at least one sequence")
-        plan = []
-        for sid, value in requests.items():
-            seq = self._seq(sid)
-            n, toks = _count_or_tokens(value, sid)
-            if self._prefix_caching and toks is None:
-                raise InvalidArgumentError(
-                    f"reserve[{sid}] is a count, but a prefix-caching cache needs the token "
-                    "ids of the new positions"
-                )
-            plan.append((seq, n, toks))
-        return plan
-
-    def _commit(self, plan, copies, need: int) -> PagedStep:
-        """Make the step: its arrays, their device copies and the copies on write first
-        (nothing a sequence holds has changed if they fail), then the tables and counters."""
-        pool, bs = self._pool, self._block_size
-        fresh = iter(pool.peek(need))  # what the takes below will return, in order
-        copying = {id(s) for s in copies}
-        ids = {id(seq): sid for sid, seq in self._seqs.items()}
-        tables, cow = [], []
-        q_indptr, kv_indptr, positions, slots = [0], [0], [], []
-        for seq, n, _ in plan:
-            table = list(seq.blocks)
-            if id(seq) in copying:  # copy on write: a private copy of the last block
-                table[-1] = next(fresh)
-                cow.append((seq.blocks[-1], table[-1]))
-            start = seq.seq_len
-            while len(table) * bs < start + n:
-                table.append(next(fresh))
-            tables.append(table)
-            pos = np.arange(start, start + n)
-            positions.append(pos)
-            touched = np.array(table[start // bs :], np.int64)  # the blocks written
-            slots.append(touched[pos // bs - start // bs] * bs + pos % bs)
-            q_indptr.append(q_indptr[-1] + n)
-            kv_indptr.append(kv_indptr[-1] + len(table))
-        lens = [seq.seq_len + n for seq, n, _ in plan]
-        host = {
-            "seq_ids": np.array([ids[id(seq)] for seq, _, _ in plan], np.int32),
-            "q_indptr": np.array(q_indptr, np.int32),
-            "positions": np.concatenate(positions).astype(np.int32),
-            "slot_mapping": np.concatenate(slots).astype(np.int32),
-            "seq_lens": np.array(lens, np.int32),
-            "kv_indptr": np.array(kv_indptr, np.int32),
-            "kv_indices": np.fromiter(
-                itertools.chain.from_iterable(tables), np.int32, kv_indptr[-1]
-            ),
-            "last_page_len": np.array(
-                [n - (len(t) - 1) * bs for n, t in zip(lens, tables, strict=True)], np.int32
-            ),
-        }
-        be = self._backend
-        step = PagedStep(self._uid, self._version + 1, host, be.to_device, bs)
-        if cow:  # into blocks no table holds yet, every layer, one launch each
-            src_d = be.to_device(np.array([a for a, _ in cow], np.int32))
-            dst_d = be.to_device(np.array([b for _, b in cow], np.int32))
-            try:
-                for i in range(self._num_layers):
-                    be.copy_blocks(src_d, dst_d, self._kk[i], self._vk[i])
-            except BaseException:
-                for _, b in cow:  # a cached block copied into in part: no longer its key's
-                    if b in pool.cached:
-                        pool.forget(b)
-                raise
-        # every allocation and copy is made: from here on only bookkeeping
-        for _ in range(need):
-            pool.take()
-        pending = []
-        for (seq, n, toks), table in zip(plan, tables, strict=True):
-            start = seq.seq_len
-            seq.blocks = table
-            seq.seq_len = start + n
-            if toks is not None and self._prefix_caching:  # else only counted
-                seq.tokens = np.concatenate([seq.tokens, toks])
-            if self._prefix_caching:
-                pending += self._filled(seq, start)
-        pool.release([a for a, _ in cow])
-        self._changed()
-        self._pending = pending
-        return step
-
-    def _filled(self, seq: _Seq, start: int) -> list:
-        """Blocks of ``seq`` that its new positions fill: (block, key, tokens, parent)."""
-        bs, pool, out = self._block_size, self._pool, []
-        for i in range(start // bs, seq.seq_len // bs):
-            tokens = seq.tokens[i * bs : (i + 1) * bs]
-            parent_key = seq.keys[i - 1] if i else self._root
-            key = block_key(parent_key, tokens)
-            seq.keys.append(key)
-            parent = pool.identity(seq.blocks[i - 1]) if i else None
-            out.append((seq.blocks[i], key, tokens, parent))
-        return out
-
-    def check_step(self, step: Any) -> PagedStep:
-        """``step`` if it is this cache's and still valid, else a typed error."""
-        if not isinstance(step, PagedStep):
-            raise ArgumentTypeError(
-                f"step must be a PagedStep (from reserve), got {type(step).__name__}"
-            )
-        if step.cache_id != self._uid:
-            raise StaleStepError("step was made by another PagedKVCache")
-        if step.version != self._version:
-            raise StaleStepError(
-                "step is stale: the cache changed since it was made (reserve, add, fork, "
-                "trim or free); make a new one with reserve"
-            )
-        return step
 
     # -- writing, and what attention reads ----------------------------------------------
 
