@@ -2,7 +2,9 @@
 
 It stores a :class:`~nbkv.protocol.CacheState` (what a cache exports) and reads back a
 :class:`~nbkv.protocol.LoadedState` (what a cache imports); which class builds a cache
-from it is for :mod:`nbkv.persist` to say. Any safetensors reader opens the file.
+from it is for :mod:`nbkv.persist` to say. Any safetensors reader opens the file. The
+header (its metadata, encoded and checked) is :mod:`nbkv._format_header`'s; this module
+writes and reads files.
 
 Layout of a file (format version 2)
 -----------------------------------
@@ -42,7 +44,6 @@ temporary files of the same target left by processes of this machine that have d
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import socket
@@ -54,11 +55,27 @@ from typing import Any
 import numpy as np
 
 from . import _safetensors as _st
-from . import layout as _layout
+from ._format_header import (
+    CODES,
+    FORMAT,
+    FORMAT_VERSION,
+    MAX_LAYERS,
+    PLACEHOLDER,
+    MetaReader,
+    check_layer_meta,
+    compact,
+    encode_header,
+    expected_tensors,
+    layer_specs,
+    meta_dtype,
+    parse_header,
+    tensor_name,
+)
 from .errors import ArgumentTypeError, CacheFormatError
 from .protocol import CacheState, LoadedLayer, LoadedState
 
 __all__ = [
+    "CODES",
     "FORMAT",
     "FORMAT_VERSION",
     "MAX_HEADER_BYTES",
@@ -74,14 +91,7 @@ __all__ = [
     "file_path",
 ]
 
-FORMAT = "nbkv-cache"
-FORMAT_VERSION = "2"
 MAX_HEADER_BYTES = 16 * 2**20
-MAX_SIZE = 2**31 - 1  # any size or count a file may claim
-MAX_LAYERS = 100_000
-# the storage dtypes and their safetensors names
-CODES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16"}
-_PLACEHOLDER = "00000000"  # same width as a real CRC: the header is rewritten in place
 _TMP = ".nbkv-tmp"
 
 
@@ -97,51 +107,9 @@ def file_path(path: Any, name: str = "path") -> str:
     )
 
 
-def tensor_name(layer: int, which: str) -> str:
-    return f"layers.{layer}.{which}"
-
-
-def meta_dtype(meta: dict) -> np.dtype | None:
-    """The dtype a checked layer meta names (None while unknown)."""
-    name = meta["dtype"]
-    return None if not name else np.dtype(_st.DTYPES[CODES[name]])
-
-
 def in_layout(arr: np.ndarray, src: str, dst: str) -> np.ndarray:
     """``arr`` in layout ``src`` seen in layout ``dst`` (a transposed view, no copy)."""
     return arr if src == dst else arr.transpose(0, 2, 1, 3)
-
-
-class MetaReader:
-    """Typed reads of a layer meta that raise CacheFormatError naming the field."""
-
-    def __init__(self, meta: dict, where: str) -> None:
-        self.meta, self.where = meta, where
-
-    def fail(self, message: str) -> CacheFormatError:
-        return CacheFormatError(f"{self.where}: {message}")
-
-    def get(self, key: str) -> Any:
-        if key not in self.meta:
-            raise self.fail(f"the metadata has no {key!r} field; the file is malformed")
-        return self.meta[key]
-
-    def int(self, key: str, minimum: int = 0, maximum: int = MAX_SIZE) -> int:
-        value = self.get(key)
-        if type(value) is not int or not minimum <= value <= maximum:
-            raise self.fail(
-                f"metadata {key} must be an int in [{minimum}, {maximum}], got {value!r:.40}"
-            )
-        return value
-
-    def optional_int(self, key: str, minimum: int = 1) -> int | None:
-        return None if self.get(key) is None else self.int(key, minimum)
-
-    def choice(self, key: str, options: tuple) -> Any:
-        value = self.get(key)
-        if not isinstance(value, (str, bool)) or value not in options:
-            raise self.fail(f"metadata {key} must be one of {options}, got {value!r:.40}")
-        return value
 
 
 # -- writing -------------------------------------------------------------------------
@@ -167,59 +135,6 @@ def _pieces(a: np.ndarray) -> Iterator[memoryview]:
 def _write(f, piece: memoryview) -> None:
     """Write one piece of tensor data (a seam for tests that simulate a crash)."""
     f.write(piece)
-
-
-def _layer_shape(meta: dict) -> tuple[int, int, int, int]:
-    return _layout.buffer_shape(
-        meta["layout"], meta["batch"], meta["num_kv_heads"], meta["seq_len"], meta["head_dim"]
-    )
-
-
-def _layer_specs(meta: dict) -> list[tuple[str, str, tuple]]:
-    """(name, safetensors dtype, shape) of each tensor of a checked layer meta: ``k`` and
-    ``v`` of the layer's shape and dtype, or the tensors it declares; none if never
-    allocated."""
-    if not meta["allocated"]:
-        return []
-    if "tensors" in meta:
-        return [(name, code, tuple(shape)) for name, (code, shape) in meta["tensors"].items()]
-    return [(w, CODES[meta["dtype"]], _layer_shape(meta)) for w in "kv"]
-
-
-_TENSOR_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
-MAX_TENSORS = 16  # tensors a layer may declare
-
-
-def _check_declared(m: MetaReader) -> None:
-    """A layer meta's own ``tensors``: name -> [safetensors dtype, shape], bounded."""
-    declared = m.get("tensors")
-    if not isinstance(declared, dict) or not 0 < len(declared) <= MAX_TENSORS:
-        raise m.fail(f"metadata tensors must map 1 to {MAX_TENSORS} names to [dtype, shape]")
-    for name, spec in declared.items():
-        if not _TENSOR_NAME.fullmatch(name) or name in ("k", "v"):
-            raise m.fail(f"metadata tensors: {name!r:.40} is not a tensor name this format allows")
-        ok = isinstance(spec, list) and len(spec) == 2 and spec[0] in _st.DTYPES
-        shape = spec[1] if ok else None
-        ok = ok and isinstance(shape, list) and 1 <= len(shape) <= 8
-        if not ok or not all(type(x) is int and 0 <= x <= MAX_SIZE for x in shape):
-            raise m.fail(f"metadata tensors: {name} must be [dtype, shape], got {spec!r:.60}")
-        if _st.DTYPES[spec[0]] is None:
-            raise m.fail(f"metadata tensors: {name} is {spec[0]}, which needs ml_dtypes")
-
-
-def _compact(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def _header(specs, metadata: dict, crcs: dict) -> bytes:
-    """The header with ``crcs`` in and its own checksum computed and filled in."""
-    metadata = {**metadata, "crc32": _compact(crcs), "header_crc32": _PLACEHOLDER}
-    head = _st.header_bytes(specs, metadata)
-    metadata["header_crc32"] = f"{zlib.crc32(head[8:]):08x}"
-    final = _st.header_bytes(specs, metadata)
-    if len(final) != len(head):  # cannot happen: every CRC is 8 hex digits
-        raise RuntimeError("nbkv.save: the header changed length")
-    return final
 
 
 def _nbkv_version() -> str:
@@ -273,16 +188,16 @@ def write_file(path: Any, state: CacheState) -> None:
     specs = [
         (tensor_name(i, w), code, shape)
         for i, meta in enumerate(metas)
-        for w, code, shape in _layer_specs(meta)
+        for w, code, shape in layer_specs(meta)
     ]
     metadata = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "cache": _compact({"type": state.type, "layers": metas}),
+        "cache": compact({"type": state.type, "layers": metas}),
         "nbkv_version": _nbkv_version(),
     }
-    crcs = {name: _PLACEHOLDER for name, _, _ in specs}
-    head = _header(specs, metadata, crcs)
+    crcs = {name: PLACEHOLDER for name, _, _ in specs}
+    head = encode_header(specs, metadata, crcs)
 
     folder, base = os.path.split(os.path.abspath(target))
     _remove_stale(folder, base)
@@ -298,7 +213,7 @@ def write_file(path: Any, state: CacheState) -> None:
                 held = layer.held()
                 if not isinstance(held, dict):
                     held = dict(zip("kv", held, strict=True))
-                for which, _, shape in _layer_specs(layer.meta):
+                for which, _, shape in layer_specs(layer.meta):
                     name, arr = tensor_name(i, which), held[which]
                     if tuple(arr.shape) != shape:
                         raise RuntimeError(
@@ -310,7 +225,7 @@ def write_file(path: Any, state: CacheState) -> None:
                         _write(f, piece)
                     crcs[name] = f"{crc:08x}"
             f.seek(0)
-            f.write(_header(specs, metadata, crcs))
+            f.write(encode_header(specs, metadata, crcs))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -340,47 +255,6 @@ def _fsync_folder(folder: str) -> None:
 # -- reading -------------------------------------------------------------------------
 
 
-def _check_header_crc(raw: bytes, metadata: dict, where: str) -> None:
-    value = metadata.get("header_crc32")
-    if not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{8}", value)):
-        raise CacheFormatError(f"{where}: the metadata has no valid header_crc32 field")
-    field = f'"header_crc32":"{value}"'.encode()
-    if raw.count(field) != 1:
-        raise CacheFormatError(
-            f"{where}: the header's header_crc32 field is not where nbkv puts it"
-        )
-    got = zlib.crc32(raw.replace(field, f'"header_crc32":"{_PLACEHOLDER}"'.encode()))
-    if got != int(value, 16):
-        raise CacheFormatError(
-            f"{where}: the header is corrupted: its CRC32 is {got:08x} but the file records "
-            f"{value} (the metadata or the tensor table was changed)"
-        )
-
-
-def _check_layer_meta(meta: Any, here: str) -> dict:
-    """The fields every layer meta has, checked; the type's own are its class's to check."""
-    if not isinstance(meta, dict):
-        raise CacheFormatError(f"{here}: a layer's metadata must be a JSON object")
-    m = MetaReader(meta, here)
-    kind = m.get("type")
-    if not isinstance(kind, str) or not 0 < len(kind) <= 64:
-        raise m.fail(f"metadata type must be a cache type name, got {kind!r:.40}")
-    m.choice("layout", _layout.LAYOUTS)
-    dtype = m.choice("dtype", ("", *CODES))
-    if dtype and _st.DTYPES[CODES[dtype]] is None:
-        raise m.fail("the cache holds bfloat16, which needs ml_dtypes: pip install 'nbkv[bf16]'")
-    sizes = [m.optional_int(field) for field in _layout.SIZES]
-    m.int("seq_len")
-    allocated = m.choice("allocated", (True, False))
-    if allocated and (not dtype or None in sizes):
-        raise m.fail("the layer is allocated, but its dtype or sizes are missing")
-    if not allocated and meta["seq_len"]:
-        raise m.fail(f"the layer is not allocated but holds seq_len {meta['seq_len']}")
-    if "tensors" in meta:
-        _check_declared(m)
-    return meta
-
-
 def check_loaded_layer(layer: Any, i: int | None, where: str) -> LoadedLayer:
     """Check one layer of a state from anywhere (a file, or a caller's own transport):
     its meta's common fields, and tensors of exactly the shape and dtype it describes
@@ -390,12 +264,12 @@ def check_loaded_layer(layer: Any, i: int | None, where: str) -> LoadedLayer:
             f"a state's layers must be nbkv.protocol.LoadedLayer, got {type(layer).__name__}"
         )
     here = where if i is None else f"{where} (layer {i})"
-    meta = _check_layer_meta(layer.meta, here)
+    meta = check_layer_meta(layer.meta, here)
     if not meta["allocated"]:
         if layer.k is not None or layer.v is not None:
             raise CacheFormatError(f"{here}: a layer never allocated holds no tensors")
         return layer
-    specs = _layer_specs(meta)
+    specs = layer_specs(meta)
     if "tensors" in meta:
         got = layer.tensors if isinstance(layer.tensors, dict) else {}
         if layer.k is not None or layer.v is not None or got.keys() != meta["tensors"].keys():
@@ -433,72 +307,6 @@ def check_loaded(state: Any) -> LoadedState:
     for i, layer in enumerate(state.layers):
         check_loaded_layer(layer, i, state.where)
     return state
-
-
-def _parse(raw: bytes, data_len: int, where: str) -> tuple[str, list[dict], dict, dict]:
-    """Check a header: ``(cache type, layer metas, tensors, crcs)``."""
-    header = _st.loads(raw, where, CacheFormatError)
-    try:
-        tensors, metadata = _st.check_header(header, data_len, where)
-    except _st.SafetensorsError as err:
-        raise CacheFormatError(str(err)) from None
-    metadata = metadata or {}
-    if metadata.get("format") != FORMAT:
-        raise CacheFormatError(
-            f"{where}: not an nbkv cache file (metadata format is "
-            f"{metadata.get('format')!r:.40}, expected {FORMAT!r})"
-        )
-    version = metadata.get("format_version")
-    if version != FORMAT_VERSION:
-        raise CacheFormatError(
-            f"{where}: format_version {version!r:.20}; this nbkv reads version {FORMAT_VERSION} "
-            "(a file of version 1, from before the cache protocol, must be saved again)"
-        )
-    _check_header_crc(raw, metadata, where)
-    for field in ("cache", "crc32"):
-        if field not in metadata:
-            raise CacheFormatError(f"{where}: the metadata has no {field!r} field")
-    cache = _st.loads(metadata["cache"].encode(), f"{where} (metadata cache)", CacheFormatError)
-    if not isinstance(cache, dict) or not isinstance(cache.get("type"), str):
-        raise CacheFormatError(f"{where}: metadata cache must be an object with a type")
-    layers = cache.get("layers")
-    if not isinstance(layers, list) or not 0 < len(layers) <= MAX_LAYERS:
-        raise CacheFormatError(f"{where}: metadata cache must hold 1 to {MAX_LAYERS} layers")
-    metas = [_check_layer_meta(meta, f"{where} (layer {i})") for i, meta in enumerate(layers)]
-    crc = _st.loads(metadata["crc32"].encode(), f"{where} (metadata crc32)", CacheFormatError)
-    if not isinstance(crc, dict) or not all(
-        isinstance(v, str) and re.fullmatch(r"[0-9a-f]{8}", v) for v in crc.values()
-    ):
-        raise CacheFormatError(f"{where}: metadata crc32 must map tensor names to 8 hex digits")
-    return cache["type"], metas, tensors, crc
-
-
-def _expected(metas: list[dict], tensors: dict, crc: dict, where: str) -> dict:
-    """The tensors the metas describe, checked against those the file holds."""
-    expected = {}
-    for i, meta in enumerate(metas):
-        for which, code, shape in _layer_specs(meta):
-            expected[tensor_name(i, which)] = (_st.DTYPES[code], shape)
-    missing = sorted(expected.keys() - tensors.keys())
-    extra = sorted(tensors.keys() - expected.keys())
-    if missing or extra:
-        raise CacheFormatError(
-            f"{where}: the tensors do not match the metadata: missing {missing[:4]}, "
-            f"unexpected {extra[:4]}"
-        )
-    for name, (dtype, shape) in expected.items():
-        got_dtype, got_shape = tensors[name][:2]
-        if got_dtype != dtype or got_shape != shape:
-            raise CacheFormatError(
-                f"{where}: tensor {name!r} is {got_dtype} of shape {got_shape}, but the "
-                f"metadata says {dtype} of shape {shape}"
-            )
-    if crc.keys() != expected.keys():
-        raise CacheFormatError(
-            f"{where}: metadata crc32 names {sorted(crc)[:4]}, but the file's tensors are "
-            f"{sorted(expected)[:4]}"
-        )
-    return expected
 
 
 def _read_exactly(f, n: int, where: str) -> bytes:
@@ -592,8 +400,8 @@ def open_file(path: Any) -> Iterator[LoadedState]:
             )
         raw = _read_exactly(f, n, where)
         # the tensors must tile the data exactly: the sizes claimed are the bytes held
-        kind, metas, tensors, crc = _parse(raw, total - 8 - n, where)
-        _expected(metas, tensors, crc, where)
+        kind, metas, tensors, crc = parse_header(raw, total - 8 - n, where)
+        expected_tensors(metas, tensors, crc, where)
 
         def tensor(i: int, which: str) -> FileTensor | None:
             name = tensor_name(i, which)
