@@ -8,6 +8,14 @@ without a cache (each step recomputes the whole sequence with
 and must produce the same tokens. It reports per-token latency, tokens/s and cache memory,
 and plots latency against position (matplotlib, the ``demo`` extra).
 
+Both methods run under one thread setting, one thread by default: on a small machine
+Numba's OpenMP workers and OpenBLAS's threads contend for the cores, with each other and
+with other processes, and a parallel region or a threaded product that waits for a
+descheduled thread costs milliseconds. On a shared 2-core machine, Numba's 2 threads made
+the cached steps ~32 ms instead of ~0.3 ms whenever another process was busy, and
+OpenBLAS's 2 threads made recompute steps up to ~450 ms instead of ~14 ms; on an idle one,
+2 BLAS threads make recompute ~25% faster.
+
 :func:`run_append_demo` (``append-demo``), a synthetic prefill and decode loop of appends
 timed against NumPy, lives in :mod:`nbkv.append_demo` and is re-exported here.
 """
@@ -140,9 +148,8 @@ def run_model_demo(
     each further token is decoded: with the cache, :meth:`~nbkv.models.Llama.forward`
     over the one new position, its K/V appended to the cache; without, a full
     :meth:`~nbkv.models.Llama.forward_nocache` over every position so far, whose cost
-    grows with the length. The two passes run one after the other in the same process,
-    under the same thread settings, after a warm-up that compiles (or loads) every
-    kernel, and must produce the same tokens.
+    grows with the length. They run in turn, in one process and thread setting, after a
+    warm-up that compiles (or loads) every kernel, and must produce the same tokens.
 
     Parameters
     ----------
@@ -155,24 +162,16 @@ def run_model_demo(
     prompt_tokens : int, optional
         Instead of text, this many random token ids from ``default_rng(seed)``.
     device : {"cpu", "cuda"}
-        Where the cache keeps K/V (the model computes on the host either way; a CUDA
-        cache returns each layer's attention with one device-to-host copy). The
-        recompute path keeps no cache and runs on the host.
+        Where the cache keeps K/V; the model, and the recompute path, compute on the host
+        (a CUDA cache returns each layer's attention with one device-to-host copy).
     seed : int
         Seed of the random prompt ids.
     out_dir : path, optional
         Folder for the plot (created if needed); None writes no plot.
     threads : int, optional, default 1
         Numba threads (``numba.set_num_threads``) and BLAS threads (through threadpoolctl,
-        if installed) while both methods run, restored after; None leaves both as they
-        are. Both methods run under the same setting. One by default: on a small machine
-        Numba's OpenMP workers and OpenBLAS's threads contend for the cores, with each
-        other and with other processes, and a parallel region or a threaded product that
-        waits for a descheduled thread costs milliseconds. On a shared 2-core machine,
-        Numba's 2 threads made the cached steps ~32 ms instead of ~0.3 ms whenever
-        another process was busy, and OpenBLAS's 2 threads made recompute steps up to
-        ~450 ms instead of ~14 ms; on an idle one, 2 BLAS threads make recompute ~25%
-        faster.
+        if installed) for both methods, restored after; None leaves both as they are. Why
+        one by default: the module's docstring (:mod:`nbkv.demo`).
     out : callable
         Receives each line of the report.
     progress : file, None or "stderr"
@@ -208,14 +207,7 @@ def run_model_demo(
     ((3,), 6, 12288)
     """
     run = _ModelRun(new_tokens, prompt, prompt_tokens, device, seed, out_dir, threads, out)
-    stream = sys.stderr if progress == "stderr" else progress
-    with thread_limits(run.threads) as running:
-        run.header(running)
-        warmup_s = run.warm_up()
-        run.decode_cached(stream)
-        run.decode_recompute(stream)
-    max_diff = run.check()
-    return run.report(running, warmup_s, max_diff)
+    return run.run(sys.stderr if progress == "stderr" else progress)
 
 
 class _ModelRun:
@@ -274,6 +266,17 @@ class _ModelRun:
         self.first_ns: dict[str, int] = {}
         self.tokens = {m: np.empty(new_tokens, np.int64) for m in MODEL_METHODS}
         self.logits = {m: np.empty((new_tokens, c.vocab_size), np.float32) for m in MODEL_METHODS}
+
+    def run(self, stream: TextIO | None) -> dict[str, Any]:
+        """The steps in order: both methods under the thread limits, then the check and
+        the report; :func:`run_model_demo`'s result."""
+        with thread_limits(self.threads) as running:
+            self.header(running)
+            warmup_s = self.warm_up()
+            self.decode_cached(stream)
+            self.decode_recompute(stream)
+        max_diff = self.check()
+        return self.report(running, warmup_s, max_diff)
 
     def header(self, running: Threads) -> None:
         c, out = self.c, self.out

@@ -8,6 +8,8 @@ fused ``@njit`` kernels.
 
 It exists to drive the cache the way a real decoder does, and to check it against a
 decoder that keeps no cache (:meth:`Llama.forward_nocache`) and against transformers.
+The pass's arithmetic is in :mod:`nbkv.models.decoder`, the checks of ids and caches in
+:mod:`nbkv.models.checks`, the sampler and the decoding loop in :mod:`nbkv.models.generation`.
 
 >>> import numpy as np
 >>> from nbkv.models import Llama
@@ -21,8 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import numbers
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -34,18 +34,14 @@ from .._units import human_bytes
 from ..attention import attention
 from ..backends import DEVICES, to_host
 from ..cache import DEFAULT_MAX_SEQ_LEN
-from ..dtypes import resolve_dtype, supported_dtypes
-from ..errors import (
-    ArgumentTypeError,
-    CacheOverflowError,
-    DTypeMismatchError,
-    InvalidArgumentError,
-    ShapeMismatchError,
-)
-from ..kernels.cpu_model import rms_norm, rope, silu_mul
+from ..dtypes import resolve_dtype
+from ..errors import ArgumentTypeError, DTypeMismatchError, InvalidArgumentError
 from ..kvcache import KVCache
 from ..rotating import RotatingKVCache
-from .config import _F32, DEFAULT_CONFIG, LlamaConfig, _inv_freq, _real, eos_ids
+from .checks import CACHE_DTYPES, check_cache, check_paged, check_token_ids
+from .config import _F32, DEFAULT_CONFIG, LlamaConfig
+from .decoder import Decoder, dense_attention
+from .generation import FROM_CONFIG, generate_args, generate_tokens, pick_next
 from .weights import (
     DEFAULT_MODEL_DIR,
     default_training_record,
@@ -65,64 +61,6 @@ __all__ = [
     "pick_next",
     "DEFAULT_MODEL_DIR",
 ]
-
-# the dtypes a model's cache may store (the model computes in float32)
-_CACHE_DTYPES = tuple(d for d in supported_dtypes() if d.itemsize <= 4)
-
-# -- attention -----------------------------------------------------------------------
-
-
-def _dense_attention(
-    q: NDArray[np.float32],
-    k: NDArray[np.float32],
-    v: NDArray[np.float32],
-    window: int | None,
-    sinks: int = 0,
-) -> NDArray[np.float32]:
-    """Causal attention over a whole sequence, in batched float32 NumPy, no cache.
-
-    q: [batch, num_heads, n, head_dim]; k, v: [batch, num_kv_heads, n, head_dim].
-    Queries are grouped per KV head by a reshape, so K/V are never repeated.
-    """
-    batch, num_heads, n, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
-    qg = q.reshape(batch, num_kv_heads, group * n, head_dim)
-    scores = (qg @ k.transpose(0, 1, 3, 2)).reshape(batch, num_kv_heads, group, n, n)
-    scores *= np.float32(1.0 / math.sqrt(head_dim))
-    i = np.arange(n)[:, None]
-    j = np.arange(n)[None, :]
-    visible = j <= i
-    if window is not None:
-        visible &= (j > i - window) | (j < sinks)  # sinks stay visible beside the window
-    scores = np.where(visible, scores, np.float32(-np.inf))
-    scores -= scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores)
-    weights /= weights.sum(axis=-1, keepdims=True)
-    out = weights.reshape(batch, num_kv_heads, group * n, n) @ v
-    return out.reshape(batch, num_heads, n, head_dim)
-
-
-class _Layer:
-    """One decoder layer's weights, fused for fewer matrix products."""
-
-    __slots__ = ("input_norm", "wqkv", "wo", "post_norm", "wgu", "wdown")
-
-    def __init__(self, w: Mapping[str, np.ndarray], i: int) -> None:
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        self.input_norm = w[p + "input_layernorm.weight"]
-        # [q; k; v] rows: one product gives all three, [out, in] as stored
-        self.wqkv = np.concatenate(
-            [w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]
-        )
-        self.wo = w[a + "o_proj.weight"]
-        self.post_norm = w[p + "post_attention_layernorm.weight"]
-        self.wgu = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-        self.wdown = w[p + "mlp.down_proj.weight"]
-
-
-_FROM_CONFIG = object()  # generate(eos_token_id=...) default: the config's
 
 
 class Llama:
@@ -166,11 +104,7 @@ class Llama:
         w = float32_weights(config, weights)
         self._config = config
         self._device = device
-        self._embed = w["model.embed_tokens.weight"]
-        self._layers = [_Layer(w, i) for i in range(config.num_hidden_layers)]
-        self._norm = w["model.norm.weight"]
-        self._lm_head = self._embed if config.tie_word_embeddings else w["lm_head.weight"]
-        self._inv_freq = _inv_freq(config)
+        self._decoder = Decoder(config, w)
         self._num_parameters = sum(a.size for a in w.values())
         self._identity: bytes | None = None
 
@@ -245,11 +179,7 @@ class Llama:
         models never share blocks. Computed once, on first use."""
         if self._identity is None:
             h = hashlib.sha256(repr(self._config).encode())
-            arrays = [self._embed, self._norm, self._lm_head]
-            for layer in self._layers:
-                arrays += [layer.input_norm, layer.wqkv, layer.wo, layer.post_norm]
-                arrays += [layer.wgu, layer.wdown]
-            for a in arrays:
+            for a in self._decoder.arrays():
                 h.update(np.ascontiguousarray(a).tobytes())
             self._identity = h.digest()
         return self._identity
@@ -293,7 +223,7 @@ class Llama:
         """
         c = self._config
         dtype = resolve_dtype(dtype)
-        if dtype not in _CACHE_DTYPES:
+        if dtype not in CACHE_DTYPES:
             raise DTypeMismatchError(
                 f"dtype must be float32, float16 or bfloat16 for the model's cache, got {dtype}"
             )
@@ -359,7 +289,7 @@ class Llama:
         that fails part-way (out of memory, an interrupt) puts every layer back as it was.
         """
         ids = self.token_ids(token_ids, "token_ids")
-        self._check_cache(cache, ids.shape[0], ids.shape[1], "token_ids")
+        check_cache(self._config, cache, ids.shape[0], ids.shape[1], "token_ids")
         return self._forward_cached(ids, cache)
 
     def forward_nocache(
@@ -384,9 +314,9 @@ class Llama:
             window -= sinks  # the ring: the last window - sinks positions, beside the sinks
 
         def attend(i: int, q, k, v):
-            return _dense_attention(q, k, v, window, sinks)
+            return dense_attention(q, k, v, window, sinks)
 
-        return self._run(ids, 0, attend, "bhsd")
+        return self._decoder.run(ids, 0, attend, "bhsd")
 
     def forward_paged(self, token_ids: ArrayLike, cache: Any, step: Any) -> NDArray[np.float32]:
         """Logits after each sequence's new tokens in a step of a paged cache: one forward
@@ -421,24 +351,8 @@ class Llama:
         from ..paged_attention import paged_append_and_attend
 
         ids = self.token_ids(token_ids, "token_ids")
-        c = self._config
-        if not hasattr(type(cache), "check_step"):
-            raise ArgumentTypeError(
-                f"cache must be an nbkv.PagedKVCache, got {type(cache).__name__}"
-            )
-        got = (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype)
-        want = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim, _F32)
-        if got != want:
-            raise ShapeMismatchError(
-                f"cache holds (layers, kv_heads, head_dim, dtype) {got} but the model needs {want}"
-            )
-        cache.check_step(step)
-        if ids.shape != (1, step.num_tokens):
-            raise ShapeMismatchError(
-                f"token_ids must be 1-D with the step's {step.num_tokens} new tokens, got shape "
-                f"{np.shape(token_ids)}"
-            )
-        window = c.sliding_window
+        check_paged(self._config, cache, step, ids, token_ids)
+        window = self._config.sliding_window
 
         def attend(i: int, q, k, v):
             out = paged_append_and_attend(
@@ -447,7 +361,7 @@ class Llama:
             return to_host(out).transpose(1, 0, 2)[None]  # [1, heads, total, head_dim]
 
         last = step.host("q_indptr")[1:] - 1
-        return self._run(ids, step.host("positions"), attend, "bshd", last)[0]
+        return self._decoder.run(ids, step.host("positions"), attend, "bshd", last)[0]
 
     def _forward_cached(self, ids: np.ndarray, cache: KVCache) -> NDArray[np.float32]:
         window = self._config.sliding_window
@@ -462,65 +376,11 @@ class Llama:
             return to_host(attention(q, layer, window=window))
 
         try:
-            return self._run(ids, cache.offset, attend, cache.layout)
+            return self._decoder.run(ids, cache.offset, attend, cache.layout)
         except BaseException:
             for put_back in reversed(undo):
                 put_back()
             raise
-
-    def _run(
-        self, ids: np.ndarray, pos: Any, attend: Callable, layout: str, last: Any = None
-    ) -> np.ndarray:
-        """The decoder over ids [batch, n] at positions [pos, pos + n) (or at ``pos[j]``
-        for column j, when ``pos`` is an array: a packed batch of several sequences).
-
-        ``attend(i, q, k, v)`` gives layer i's attention output [batch, num_heads, n,
-        head_dim] for rotated q [batch, num_heads, n, head_dim] and k, v in ``layout``.
-        ``last``: the columns whose logits are wanted (all by default), [batch, len(last),
-        vocab].
-        """
-        c = self._config
-        batch, n = ids.shape
-        rows = batch * n
-        heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
-        eps = c.rms_norm_eps
-        # rotary angles of these positions, in float32 as transformers computes them
-        at = np.arange(pos, pos + n) if np.isscalar(pos) else np.asarray(pos)
-        angles = at.astype(np.float32)[:, None] * self._inv_freq[None, :]
-        cos, sin = np.cos(angles), np.sin(angles)
-        bshd = layout == "bshd"
-
-        x = self._embed[ids.reshape(rows)]  # [rows, hidden], our own copy
-        h = np.empty_like(x)
-        for i, layer in enumerate(self._layers):
-            rms_norm(x, layer.input_norm, eps, h)
-            qkv = h @ layer.wqkv.T  # [rows, q_dim + 2 * kv_dim]
-            q_in = qkv[:, :q_dim].reshape(batch, n, heads, head_dim)
-            k_in = qkv[:, q_dim : q_dim + kv_dim].reshape(batch, n, kv_heads, head_dim)
-            v = qkv[:, q_dim + kv_dim :].reshape(batch, n, kv_heads, head_dim)
-            # rotated q in [batch, heads, n, head_dim]; rotated k in the cache's layout
-            q = np.empty((batch, heads, n, head_dim), _F32)
-            rope(q_in, cos, sin, q.transpose(0, 2, 1, 3))
-            if bshd:
-                k = np.empty((batch, n, kv_heads, head_dim), _F32)
-                rope(k_in, cos, sin, k)
-            else:
-                k = np.empty((batch, kv_heads, n, head_dim), _F32)
-                rope(k_in, cos, sin, k.transpose(0, 2, 1, 3))
-                v = v.transpose(0, 2, 1, 3)
-            o = attend(i, q, k, v)  # [batch, heads, n, head_dim]
-            x += o.transpose(0, 2, 1, 3).reshape(rows, q_dim) @ layer.wo.T
-            rms_norm(x, layer.post_norm, eps, h)
-            gate_up = h @ layer.wgu.T  # [rows, 2 * intermediate]
-            act = np.empty((rows, c.intermediate_size), _F32)
-            silu_mul(gate_up, act)
-            x += act @ layer.wdown.T
-        rms_norm(x, self._norm, eps, h)
-        if last is not None:  # only these columns' logits: the lm_head is the largest product
-            h = np.ascontiguousarray(h.reshape(batch, n, -1)[:, last]).reshape(-1, h.shape[-1])
-            n = h.shape[0] // batch
-        return (h @ self._lm_head.T).reshape(batch, n, c.vocab_size)
 
     # -- generation ------------------------------------------------------------------
 
@@ -530,7 +390,7 @@ class Llama:
         max_new_tokens: int,
         *,
         temperature: float = 0.0,
-        eos_token_id: Any = _FROM_CONFIG,
+        eos_token_id: Any = FROM_CONFIG,
         seed: int | None = None,
         cache: KVCache | None = None,
         callback: Callable[[int, np.ndarray], Any] | None = None,
@@ -571,166 +431,32 @@ class Llama:
             A given cache without room for the prompt and the new tokens.
         """
         ids = self.token_ids(prompt_ids, "prompt_ids")
-        max_new_tokens, temperature, eos = self._generate_args(
-            max_new_tokens, temperature, eos_token_id, callback
+        max_new_tokens, temperature, eos = generate_args(
+            self._config, max_new_tokens, temperature, eos_token_id, callback
         )
         batch, prompt = ids.shape
         if max_new_tokens == 0:
             return ids.copy()
         cache = self._generate_cache(cache, batch, prompt, max_new_tokens)
-        rng = np.random.default_rng(seed) if temperature > 0 else None
-        eos_arr = np.array(eos, np.int64)
-        out = np.empty((batch, prompt + max_new_tokens), np.int64)
-        out[:, :prompt] = ids
-        done = np.zeros(batch, bool)
-        logits = self._forward_cached(ids, cache)[:, -1]
-        end = prompt + max_new_tokens
-        for step in range(max_new_tokens):
-            token = pick_next(logits, temperature, rng)
-            if eos:
-                token[done] = eos[0]
-                done |= np.isin(token, eos_arr)
-            out[:, prompt + step] = token
-            if callback is not None:
-                callback(step, token.copy())
-            if done.all():
-                end = prompt + step + 1
-                break
-            if step + 1 < max_new_tokens:
-                logits = self._forward_cached(token[:, None], cache)[:, -1]
-        return out[:, :end].copy()
+
+        def next_logits(new_ids: np.ndarray) -> np.ndarray:
+            return self._forward_cached(new_ids, cache)[:, -1]
+
+        return generate_tokens(next_logits, ids, max_new_tokens, temperature, eos, seed, callback)
 
     def _generate_cache(self, cache, batch: int, prompt: int, max_new_tokens: int) -> KVCache:
         """:meth:`generate`'s cache: the one given, checked for room, or a new one."""
         needed = prompt + max_new_tokens - 1  # the last new token is never fed back
         if cache is None:
             return self.new_cache(batch, needed)
-        self._check_cache(cache, batch, needed, f"prompt_ids and max_new_tokens={max_new_tokens}")
+        check_cache(
+            self._config, cache, batch, needed, f"prompt_ids and max_new_tokens={max_new_tokens}"
+        )
         return cache
-
-    def _generate_args(self, max_new_tokens, temperature, eos_token_id, callback) -> tuple:
-        """:meth:`generate`'s arguments checked: ``(max_new_tokens, temperature, end
-        ids)``."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
-            raise ArgumentTypeError(
-                f"max_new_tokens must be an int >= 0, got {type(max_new_tokens).__name__} "
-                f"{max_new_tokens!r}"
-            )
-        if max_new_tokens < 0:
-            raise InvalidArgumentError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        temperature = _real(temperature, "temperature", positive=False)
-        if temperature < 0:
-            raise InvalidArgumentError(f"temperature must be >= 0, got {temperature}")
-        if eos_token_id is _FROM_CONFIG:
-            eos = self._config.eos_token_ids
-        else:
-            eos = eos_ids(eos_token_id, "eos_token_id")
-        if callback is not None and not callable(callback):
-            raise ArgumentTypeError(f"callback must be callable, got {type(callback).__name__}")
-        return int(max_new_tokens), temperature, eos
 
     # -- validation ------------------------------------------------------------------
 
     def token_ids(self, x: ArrayLike, name: str = "token_ids") -> NDArray[np.int64]:
         """``x`` as int64 [batch, n] (1-D: batch 1), every id in [0, vocab_size), or a
         typed error naming ``name``."""
-        try:
-            arr = np.asarray(x)
-        except (TypeError, ValueError) as err:
-            raise ArgumentTypeError(
-                f"{name} must be an integer array of token ids, got {type(x).__name__} ({err})"
-            ) from None
-        if arr.dtype.kind in "OSUV":
-            raise ArgumentTypeError(
-                f"{name} must hold integer token ids, got {type(x).__name__} of dtype {arr.dtype}"
-            )
-        if arr.ndim == 1:
-            arr = arr[None, :]
-        if arr.ndim != 2:
-            raise ShapeMismatchError(
-                f"{name} must be 1-D [n] or 2-D [batch, n], got shape {arr.shape}"
-            )
-        if arr.size == 0:
-            raise InvalidArgumentError(
-                f"{name} must hold at least one token in each of at least one row, got "
-                f"shape {arr.shape}"
-            )
-        if arr.dtype.kind not in "iu":
-            raise ArgumentTypeError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
-        vocab = self._config.vocab_size
-        bad = (arr < 0) | (arr >= vocab)
-        if bad.any():
-            where = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise InvalidArgumentError(
-                f"{name} must be in [0, vocab_size={vocab}), got {int(arr[where])} at index {where}"
-            )
-        return arr.astype(np.int64, copy=False)
-
-    def _check_cache(self, cache: object, batch: int, n: int, what: str) -> None:
-        """Raise unless ``cache`` fits this model and has room for ``n`` more positions."""
-        c = self._config
-        if not isinstance(cache, KVCache):
-            raise ArgumentTypeError(
-                f"cache must be an nbkv.KVCache (see Llama.new_cache), got {type(cache).__name__}"
-            )
-        if cache.num_layers != c.num_hidden_layers:
-            raise InvalidArgumentError(
-                f"cache has {cache.num_layers} layers but the model has "
-                f"{c.num_hidden_layers}; build it with model.new_cache(...)"
-            )
-        seen = sorted({layer.offset for layer in cache})
-        if len(seen) > 1:
-            raise InvalidArgumentError(
-                f"cache layers have seen different numbers of tokens ({seen}), as after an "
-                "interrupted forward pass; clear() the cache"
-            )
-        want = (batch, c.num_key_value_heads, c.head_dim, _F32, cache.layout)
-        for i, layer in enumerate(cache):  # every layer, before anything is written
-            dtype = _F32 if layer.dtype in _CACHE_DTYPES else layer.dtype
-            got = (layer.batch, layer.num_kv_heads, layer.head_dim, dtype, layer.layout)
-            if got != want:  # only then find out which, if any, is wrong (None: lazy)
-                self._check_layer(i, got, want)
-        if cache.seq_len + n <= cache.max_seq_len:
-            return  # room in every layer
-        try:
-            cache.check_room(n)
-        except CacheOverflowError as err:
-            held, capacity = cache.seq_len, cache.max_seq_len
-            raise CacheOverflowError(
-                f"{what} need {n} positions but the cache holds {held} of {capacity} and "
-                f"{capacity - held} are free; build it with max_seq_len >= {held + n} ({err})"
-            ) from None
-
-    @staticmethod
-    def _check_layer(i: int, got: tuple, want: tuple) -> None:
-        """Raise the typed error for the first size, dtype or layout of cache layer ``i``
-        that does not fit the model (sizes and dtype may be None: a lazy layer)."""
-        for field, g, w in zip(("batch", "num_kv_heads", "head_dim"), got, want, strict=False):
-            if g is not None and g != w:
-                source = "token_ids" if field == "batch" else "the model"
-                raise ShapeMismatchError(f"cache layer {i} holds {field} {g} but {source} has {w}")
-        if got[3] is not None and got[3] != want[3]:
-            raise DTypeMismatchError(
-                f"cache layer {i} must hold float32, float16 or bfloat16, got {got[3]}"
-            )
-        if got[4] != want[4]:
-            raise InvalidArgumentError(
-                f"cache layer {i} has layout {got[4]!r} but layer 0 has {want[4]!r}; a "
-                "model's cache holds one layout"
-            )
-
-
-def pick_next(
-    logits: np.ndarray, temperature: float, rng: np.random.Generator | None
-) -> NDArray[np.int64]:
-    """Next ids [batch] from logits [batch, vocab]: argmax (``rng`` None), or a sample of
-    ``softmax(logits / temperature)`` with one ``rng.random`` draw per row (what
-    :meth:`Llama.generate` and :class:`nbkv.serving.Engine` do)."""
-    if rng is None:
-        return logits.argmax(axis=-1).astype(np.int64)
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max(axis=-1, keepdims=True))
-    cdf = np.cumsum(p, axis=-1)
-    u = rng.random(len(cdf))[:, None] * cdf[:, -1:]
-    # first index whose cumulative weight exceeds u
-    return np.minimum((cdf <= u).sum(axis=-1), logits.shape[-1] - 1).astype(np.int64)
+        return check_token_ids(x, self._config.vocab_size, name)
