@@ -5,7 +5,9 @@ Sizes, dtype, device and layout; the buffers; the boundary checks; the protocol'
 export/import (see :mod:`nbkv.protocol`); and the operations that move whole batch rows
 (``reorder``, ``select``, ``copy``). :class:`nbkv.LayerKVCache` (positions in order, a
 capacity that may grow) and :class:`nbkv.RotatingKVCache` (a ring with sinks) are its
-two siblings; each overrides the few hooks where they differ.
+two siblings; each overrides the few hooks where they differ. The protocol's append half
+is :class:`nbkv.appending.AppendMixin`'s and its state half :class:`nbkv.state.StateMixin`'s,
+both mixed in here.
 
 The classes validate once at the boundary, own their counters as plain ints and call
 kernels through a backend bound to their layout. Every check, and every allocation, runs
@@ -15,7 +17,6 @@ before anything is written, so a call that raises leaves the cache exactly as it
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -24,6 +25,7 @@ from . import layout as _layout
 from ._gather import SCRATCH, gather_schedule
 from ._units import human_bytes
 from ._validate import batch_indices, nonnegative_int, optional_positive_int, positive_int
+from .appending import AppendMixin
 from .backends import get_backend
 from .dtypes import check_supported, resolve_dtype
 from .errors import (
@@ -32,7 +34,7 @@ from .errors import (
     InvalidArgumentError,
     ShapeMismatchError,
 )
-from .protocol import AppendPlan, AttentionView, StagedAppend
+from .protocol import AppendPlan, AttentionView
 from .state import StateMixin
 
 __all__ = ["BaseKVCache"]
@@ -54,7 +56,7 @@ class Storage(NamedTuple):
     capacity: int
 
 
-class BaseKVCache(StateMixin):
+class BaseKVCache(AppendMixin, StateMixin):
     """The base of every layer cache: use ``isinstance(x, nbkv.BaseKVCache)`` to accept any.
 
     Not built directly: see :class:`nbkv.LayerKVCache` and :class:`nbkv.RotatingKVCache`.
@@ -131,6 +133,15 @@ class BaseKVCache(StateMixin):
 
     def _storage_changed(self) -> None:
         """Hook: the buffers were replaced (a subclass drops what pointed at the old ones)."""
+
+    def _storage_for(self, plan: AppendPlan) -> Storage | None:
+        """Hook: new buffers the append needs (None: the current ones serve)."""
+        if self._k is not None or plan.dims.seq == 0:
+            return None
+        d = plan.dims
+        return self._new_storage(
+            (d.batch, d.num_kv_heads, d.head_dim, plan.dtype), self._max_seq_len
+        )
 
     # -- properties ------------------------------------------------------------------
 
@@ -290,97 +301,6 @@ class BaseKVCache(StateMixin):
                 f"{self._max_seq_len} positions and {free} are free for it; build it "
                 f"with max_seq_len >= {self._seq_len + n}"
             )
-
-    # -- the protocol: appending (see nbkv.protocol) ---------------------------------
-
-    def check_room(self, n: int) -> None:
-        """Raise :class:`~nbkv.CacheOverflowError` unless ``n`` more positions would fit."""
-        self._check_room(nonnegative_int(n, "n"), "append")
-
-    def prepare_append(self, k: Any, v: Any) -> AppendPlan:
-        """Every check ``append(k, v)`` makes; changes nothing."""
-        k, v, d, dtype = self._check_pair(k, v)
-        self._check_room(d.seq, "append")
-        return AppendPlan(k, v, d, dtype, self.offset, self._held_after(d.seq), self._stage_key())
-
-    def _stage_key(self) -> tuple:
-        """What a plan is valid for: this cache, its counters and its buffers."""
-        return (id(self), self.offset, self._seq_len, self._max_seq_len, id(self._k))
-
-    def _check_key(self, key: tuple, what: str) -> None:
-        if key != self._stage_key():
-            raise InvalidArgumentError(
-                f"this {what} was made for another state of the cache (or another cache): "
-                "it changed since; prepare the append again"
-            )
-
-    def _held_after(self, n: int) -> int:
-        """Hook: positions held after an append of ``n``."""
-        return self._seq_len + n
-
-    def _storage_for(self, plan: AppendPlan) -> Storage | None:
-        """Hook: new buffers the append needs (None: the current ones serve)."""
-        if self._k is not None or plan.dims.seq == 0:
-            return None
-        d = plan.dims
-        return self._new_storage(
-            (d.batch, d.num_kv_heads, d.head_dim, plan.dtype), self._max_seq_len
-        )
-
-    def stage_append(self, plan: AppendPlan) -> StagedAppend:
-        """Allocate what the append needs (and copy new inputs to the device), changing
-        nothing; ``fused`` gives the buffers and slot a fused kernel writes."""
-        self._check_key(plan.key, "plan")
-        storage = self._storage_for(plan)
-        be = self._backend
-        k, v = be.to_device(plan.k), be.to_device(plan.v)
-        if storage is not None:
-            fused = (storage.k, storage.v, self._seq_len)
-        else:
-            fused = None if self._k is None else (self._k, self._v, self._seq_len)
-        return StagedAppend(plan, k, v, fused, storage, plan.key)
-
-    def commit_append(
-        self, staged: StagedAppend, *, written: bool = False, undoable: bool = False
-    ) -> Callable[[], None] | None:
-        """Write the staged positions after those held (unless a fused kernel has,
-        ``written=True``) and hold them. With ``undoable``, return what puts it back."""
-        self._check_key(staged.key, "staged append")
-        n = staged.plan.dims.seq
-        held, capacity = self._seq_len, self._max_seq_len
-        old = self._current_storage() if undoable and staged.storage is not None else None
-        if staged.storage is not None:
-            self._install(staged.storage)
-        if n and not written:
-            be = self._backend
-            be.write_kv(
-                be.kernel_view(staged.k), be.kernel_view(staged.v), held, self._kk, self._vk
-            )
-        self._seq_len = held + n
-        if not undoable:
-            return None
-
-        def undo() -> None:
-            # rows past the old seq_len were never visible, so the cursor (and the old
-            # buffers, after a growth) is all there is to restore
-            if staged.storage is not None:
-                if old is None:
-                    self._release()
-                    self._max_seq_len = capacity  # a lazy cache's growth, undone too
-                else:
-                    self._install(old)
-            self._seq_len = held
-
-        return undo
-
-    def append(self, k: Any, v: Any, *, undoable: bool = False) -> Callable[[], None] | None:
-        """Write ``n`` new positions after those held (see the subclass for details).
-
-        With ``undoable=True``, return a function that puts the cache back as it was
-        before this append (what a caller that may fail later, as a model's forward
-        pass, keeps); else ``None``.
-        """
-        return self.commit_append(self.stage_append(self.prepare_append(k, v)), undoable=undoable)
 
     # -- the protocol: attention -----------------------------------------------------
 
