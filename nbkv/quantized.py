@@ -22,14 +22,15 @@ A :class:`QuantizedKVCache` is a :class:`nbkv.BaseKVCache` (its sizes, validatio
 errors), not a :class:`nbkv.LayerKVCache`: it has no growth policy, no ``set_k``, and its
 ``get_kv`` copies. It implements the cache protocol (:mod:`nbkv.protocol`), so
 ``attention``, ``append_and_attend``, ``KVCache.from_layers``, ``save`` / ``load``, the
-model and the transformers adapter take it as they take any layer cache.
+model and the transformers adapter take it as they take any layer cache. Its append half is
+:class:`nbkv.quant_appending.QuantAppendMixin`'s and its state half
+:class:`nbkv.quant_state.QuantStateMixin`'s, both mixed into the class.
 """
 
 from __future__ import annotations
 
 import numbers
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -44,11 +45,10 @@ from .errors import (
     InvalidArgumentError,
 )
 from .protocol import (
-    AppendPlan,
     AttentionView,
-    StagedAppend,
     register_cache_type,
 )
+from .quant_appending import QuantAppendMixin
 from .quant_backends import CodesReader, QStorage, quant_backend
 from .quant_state import QuantStateMixin, Store
 
@@ -78,7 +78,7 @@ def _check_bits(bits: Any) -> tuple[int, int]:
 
 
 @register_cache_type("QuantizedKVCache")
-class QuantizedKVCache(QuantStateMixin, BaseKVCache):
+class QuantizedKVCache(QuantAppendMixin, QuantStateMixin, BaseKVCache):
     """Keys and values of one attention layer in 8, 4 or 2 bits (KIVI), the newest in
     full precision.
 
@@ -291,47 +291,6 @@ class QuantizedKVCache(QuantStateMixin, BaseKVCache):
         sizes = (self._batch, self._num_kv_heads, self._head_dim, self._dtype)
         return Store(self._st, sizes)
 
-    # -- appending (the protocol) ----------------------------------------------------
-
-    def _next_q(self, q_len: int, total: int) -> int:
-        """Codes held once ``total`` positions are: whole groups leave the window while
-        it would hold at least ``residual + G``."""
-        g = self._group
-        return q_len + g * max(0, (total - q_len - self._residual) // g)
-
-    def _check_values(self, x: Any, name: str) -> None:
-        """Host K/V must be finite and within the scales' reach (codes cannot hold more)."""
-        if not isinstance(x, np.ndarray) or x.size == 0:
-            return  # device arrays are not scanned (see the class docstring)
-        top = float(np.abs(x).max())  # one pass: NaN and inf make it fail below too
-        if not top <= self._limit:
-            what = "NaN or infinity" if not np.isfinite(top) else f"{top:g}"
-            raise InvalidArgumentError(
-                f"{name} holds {what}, which a quantized cache cannot store: values must be "
-                f"finite and within the {self._limit:g} its 16-bit scales reach"
-            )
-
-    def prepare_append(self, k: Any, v: Any) -> AppendPlan:
-        """Every check ``append(k, v)`` makes, values included; changes nothing."""
-        plan = super().prepare_append(k, v)
-        self._check_values(plan.k, "k")
-        self._check_values(plan.v, "v")
-        return plan
-
-    def _storage_for(self, plan: AppendPlan) -> Store | None:
-        if self._st is not None or plan.dims.seq == 0:
-            return None
-        return self._new_storage(self._configured, self._max_seq_len)
-
-    def stage_append(self, plan: AppendPlan) -> StagedAppend:
-        """Allocate what the append needs (after ``deallocate``) and copy the inputs to the
-        device, changing nothing. ``fused`` is None: codes are no slots a kernel fills."""
-        self._check_key(plan.key, "plan")
-        storage = self._storage_for(plan)
-        be = self._backend
-        k, v = be.to_device(plan.k), be.to_device(plan.v)
-        return StagedAppend(plan, k, v, None, storage, plan.key)
-
     def _ring_ranges(self, p0: int, p1: int) -> list[tuple[int, int, int]]:
         """The window slots of positions ``[p0, p1)`` (the last ``W`` of them, if more):
         at most two ``(first slot, end slot, first position)``."""
@@ -346,67 +305,12 @@ class QuantizedKVCache(QuantStateMixin, BaseKVCache):
             ranges.append((0, p1 - p0 - first, p0 + first))
         return ranges
 
-    def _save_slots(self, ranges: list[tuple[int, int]]) -> list:
-        """Copies of the window rows at ``ranges`` (what an undo puts back)."""
-        be, st = self._inner, self._st
-        saved = []
-        for a, b, _ in ranges:
-            shape = (self._batch, self._num_kv_heads, b - a, self._head_dim)
-            ks, vs = (be.kernel_view(be.empty(shape, self._dtype)) for _ in "kv")
-            be.write_kv(st.k_win[:, :, a:b], st.v_win[:, :, a:b], 0, ks, vs)
-            saved.append((a, ks, vs))
-        return saved
-
     @property
     def _inner(self):
         """The plain backend of this device in the storage's own order ("bhsd")."""
         from .backends import get_backend
 
         return get_backend(self._backend.name, "bhsd")
-
-    def commit_append(
-        self, staged: StagedAppend, *, written: bool = False, undoable: bool = False
-    ) -> Callable[[], None] | None:
-        """Quantize the groups that leave the window and put the new positions in it;
-        with ``undoable``, return what puts the cache back (the window rows it
-        overwrites are copied first)."""
-        self._check_key(staged.key, "staged append")
-        if written:
-            raise InvalidArgumentError(
-                "a quantized cache writes its own positions: commit_append(written=True) "
-                "has no fused kernel to rely on"
-            )
-        n = staged.plan.dims.seq
-        held, q_len, capacity = self._seq_len, self._q_len, self._max_seq_len
-        old = self._current_storage() if undoable and staged.storage is not None else None
-        if staged.storage is not None:
-            self._install(staged.storage)
-        total = held + n
-        new_q = self._next_q(q_len, total)
-        saved = self._save_slots(self._ring_ranges(max(new_q, held), total)) if undoable else []
-        if n:
-            be = self._backend
-            self._qbe.append(
-                be.kernel_view(staged.k), be.kernel_view(staged.v), held, q_len, new_q,
-                self._bits, self._group, self._v_group, self._kind, self._table, self._st,
-            )  # fmt: skip
-        self._seq_len, self._q_len = total, new_q
-        if not undoable:
-            return None
-
-        def undo() -> None:
-            if staged.storage is not None:
-                if old is None:
-                    self._release()
-                    self._max_seq_len = capacity
-                else:
-                    self._install(old)
-            else:
-                for a, ks, vs in saved:
-                    self._inner.write_kv(ks, vs, a, self._st.k_win, self._st.v_win)
-            self._seq_len, self._q_len = held, q_len
-
-        return undo
 
     # -- attention (the protocol) ----------------------------------------------------
 

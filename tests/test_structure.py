@@ -99,6 +99,7 @@ def _cache_privates() -> dict[str, set[str]]:
         "cache",
         "rotating",
         "quantized",
+        "quant_appending",
         "quant_state",
         "kvcache",
     ):
