@@ -2,8 +2,8 @@
 attention reads.
 
 :mod:`nbkv.backends` (the CPU backend) and :mod:`nbkv.cuda_backend` (the CUDA one) import
-these; they live apart from both so that neither backend module imports the other's
-half (no import circle). Both names stay importable from :mod:`nbkv.backends`.
+these; they live apart from both so that :mod:`nbkv.cuda_backend` need not import
+:mod:`nbkv.backends`, which imports it (no import circle).
 """
 
 from __future__ import annotations

@@ -377,20 +377,24 @@ def _bench_attention():
 def test_paired_share_compares_each_round_with_its_own_read():
     # the memory bandwidth halves midway: the read takes 4 then 8 units, the method 5
     # then 9. Round by round the method reads at 80% then 89% of the read's speed; the
-    # ratio of the two medians (6.5 / 7.0) would mix the phases
+    # ratio of the two medians over the quiet rounds (6 / 7) would mix the phases
     import numpy as np
 
     ba = _bench_attention()
     times = {ba.READ: [4.0, 4.0, 4.0, 8.0, 8.0, 8.0, 1.0], "m": [5.0, 5.0, 5.0, 9.0, 9.0, 9.0, 9.0]}
     quiet = {ba.READ: np.ones(7, bool), "m": np.array([1, 1, 1, 1, 1, 1, 0], bool)}
-    got = ba.paired_share(times, quiet, "m", 1.0)
+    got = ba.paired_share(times, quiet, "m", 1.0, rounds=7)
     # the last round is left out: the method's call there was disturbed
     assert got["paired_rounds"] == 6
     assert got["pct_of_read_paired"] == pytest.approx(100 * (0.8 + 8 / 9) / 2)
     assert got["pct_paired_p10"] == pytest.approx(80.0)
     assert got["pct_paired_p90"] == pytest.approx(800 / 9)
     # a 16-bit cache reads half the bytes: its share is of half the read's time
-    half = ba.paired_share(times, quiet, "m", 0.5)
+    half = ba.paired_share(times, quiet, "m", 0.5, rounds=7)
     assert half["pct_of_read_paired"] == pytest.approx(got["pct_of_read_paired"] / 2)
-    none = ba.paired_share(times, {ba.READ: quiet[ba.READ], "m": np.zeros(7, bool)}, "m", 1.0)
-    assert none["pct_of_read_paired"] is None and none["paired_rounds"] == 0
+    # too few rounds with both calls undisturbed (fewer than MIN_QUIET_SHARE of them): none
+    few = np.zeros(7, bool)
+    few[:2] = True
+    assert 2 < ba.MIN_QUIET_SHARE * 7
+    none = ba.paired_share(times, {ba.READ: quiet[ba.READ], "m": few}, "m", 1.0, rounds=7)
+    assert none["pct_of_read_paired"] is None and none["paired_rounds"] == 2

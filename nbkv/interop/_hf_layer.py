@@ -58,8 +58,9 @@ def _rows(indices: Any, name: str) -> np.ndarray:
 class NbkvLayer(CacheLayerMixin):
     """One decoder layer's cache: a transformers cache layer over a :class:`nbkv.LayerKVCache`.
 
-    Built by :class:`NbkvCache`; users rarely make one. ``keys`` and ``values`` are torch
-    views, shape ``[batch, num_kv_heads, seq_len, head_dim]``, of the positions held.
+    Built by :class:`nbkv.interop.hf.NbkvCache`; users rarely make one. ``keys`` and
+    ``values`` are torch views, shape ``[batch, num_kv_heads, seq_len, head_dim]``, of the
+    positions held.
 
     Parameters
     ----------

@@ -30,7 +30,7 @@ def pick_next(
 ) -> NDArray[np.int64]:
     """Next ids [batch] from logits [batch, vocab]: argmax (``rng`` None), or a sample of
     ``softmax(logits / temperature)`` with one ``rng.random`` draw per row (what
-    :meth:`Llama.generate` and :class:`nbkv.serving.Engine` do)."""
+    :meth:`nbkv.models.Llama.generate` and :class:`nbkv.serving.Engine` do)."""
     if rng is None:
         return logits.argmax(axis=-1).astype(np.int64)
     z = logits.astype(np.float64) / temperature
@@ -44,7 +44,7 @@ def pick_next(
 def generate_args(
     config: LlamaConfig, max_new_tokens: Any, temperature: Any, eos_token_id: Any, callback: Any
 ) -> tuple:
-    """:meth:`Llama.generate`'s arguments checked: ``(max_new_tokens, temperature, end
+    """:meth:`nbkv.models.Llama.generate`'s arguments checked: ``(max_new_tokens, temperature, end
     ids)``; ``eos_token_id`` :data:`FROM_CONFIG` means ``config``'s end ids."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
         raise ArgumentTypeError(
@@ -74,7 +74,7 @@ def generate_tokens(
     seed: int | None,
     callback: Callable[[int, np.ndarray], Any] | None,
 ) -> NDArray[np.int64]:
-    """:meth:`Llama.generate`'s loop, its arguments checked (``max_new_tokens >= 1``).
+    """:meth:`nbkv.models.Llama.generate`'s loop, its arguments checked (``max_new_tokens >= 1``).
 
     ``next_logits(new_ids)`` runs new ids [batch, n] after all before them and gives the
     logits after the last, [batch, vocab]; it gets the prompt ``ids`` [batch, prompt]
