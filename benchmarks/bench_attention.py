@@ -744,9 +744,9 @@ def main() -> None:
     results = {}
     run = [n for n, rounds in sizes.items() if rounds[q]]
     # correctness before any timing: at CHECK_SIZES, or the smallest size run if none is
-    checked = set(CHECK_SIZES) & set(run) or {min(run)}
+    check_at = set(CHECK_SIZES) & set(run) or {min(run)}
     for seq_len in run:
-        r = bench_size(seq_len, sizes[seq_len][q], rng, seq_len in checked)
+        r = bench_size(seq_len, sizes[seq_len][q], rng, seq_len in check_at)
         results[seq_len] = r
         c = r["case"]
         cold = (

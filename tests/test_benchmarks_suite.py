@@ -398,3 +398,32 @@ def test_paired_share_compares_each_round_with_its_own_read():
     assert 2 < ba.MIN_QUIET_SHARE * 7
     none = ba.paired_share(times, {ba.READ: quiet[ba.READ], "m": few}, "m", 1.0, rounds=7)
     assert none["pct_of_read_paired"] is None and none["paired_rounds"] == 2
+
+
+def test_bench_attention_main_runs_two_sizes_and_checks_the_smallest(tmp_path, monkeypatch):
+    # a whole run of main() in little: two sizes (a loop over sizes once reused the name
+    # of its set of sizes to check for a line of text, and broke at the second size),
+    # two rounds each, no prefill, no compile in a fresh process
+    import json
+
+    ba = _bench_attention()
+    monkeypatch.setattr(ba, "SIZES", {512: (0, 2), 4096: (0, 2)})
+    monkeypatch.setattr(ba, "CHECK_SIZES", (4096,))
+    monkeypatch.setattr(ba, "WARMUP_ROUNDS", 1)
+    monkeypatch.setattr(ba, "COLD_BYTES", 8 * ba.MIB)
+    jit = {
+        "attend_first_call_s": 0.0,
+        "attend_first_call_from_disk_cache": True,
+        "attend_fresh_compile_s": 0.0,
+        "read_ceiling_first_call_s": 0.0,
+    }
+    monkeypatch.setattr(ba, "compile_times", lambda: jit)
+    out = tmp_path / "a.json"
+    monkeypatch.setattr(
+        sys, "argv", ["bench_attention", "--quick", "--no-prefill", "--json", str(out)]
+    )
+    ba.main()
+    results = json.loads(out.read_text())["results"]
+    assert sorted(results, key=int) == ["512", "4096"]
+    assert results["512"]["case"]["checked_max_abs_err"] is None  # 4096 is the one checked
+    assert results["4096"]["case"]["checked_max_abs_err"] < ba.ATOL
