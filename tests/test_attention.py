@@ -6,6 +6,8 @@ import itertools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nbkv
 from nbkv import _config, reference
@@ -79,6 +81,38 @@ def test_parallel_and_serial_cpu_kernels_match_the_reference(
 
 
 @cpu_only
+@cpu_only
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    dtype=st.sampled_from(["float32", "float64"]),
+    group=st.sampled_from([1, 2, 4, 8]),
+    head_dim=st.sampled_from([16, 24, 128]),  # vector IR (1 and 4 passes), plain loops
+    seq_len=st.integers(1, 1600),  # 512-position blocks: none full to three and a part
+    window=st.one_of(st.none(), st.integers(1, 1200)),
+    causal=st.booleans(),
+)
+def test_decode_blocks_of_512_match_the_reference_and_the_64_blocks(
+    seed, dtype, group, head_dim, seq_len, window, causal
+):
+    """A decode step (at most 8 query rows per KV head, 32- or 64-bit K/V) walks blocks
+    of 512 positions (cpu_attention._DECODE_BLOCK); a prefill chunk walks blocks of 64.
+    Both against the float64 reference, and the decode step against the same query
+    repeated three times, non-causal, which takes the 64-position path."""
+    rng = np.random.default_rng(seed)
+    tol = TOL if dtype == "float32" else 1e-12
+    cache, K, V = make_cache(rng, "bhsd", dtype, 2, head_dim, seq_len, seq_len, batch=1)
+    q = randn(rng, (1, 2 * group, 1, head_dim), dtype)
+    got = nbkv.attention(q, cache, causal=causal, window=window)
+    want = reference.attention(q, K, V, causal=causal, window=window)
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    if group > 2 and seq_len >= 3:  # 3 x group rows > 8: blocks of 64 positions
+        plain = nbkv.attention(np.repeat(q, 3, axis=2), cache, causal=False)
+        decode = nbkv.attention(q, cache, causal=False)
+        np.testing.assert_allclose(decode[:, :, 0], plain[:, :, 0], rtol=0, atol=tol / 10)
+        np.testing.assert_array_equal(plain[:, :, 0], plain[:, :, 2])
+
+
 def test_float64_queries_over_a_float64_cache_stay_float64(rng):
     cache, K, V = make_cache(rng, "bshd", "float64", 2, 8, 9, 12)
     q = randn(rng, (2, 4, 3, 8), "float64")

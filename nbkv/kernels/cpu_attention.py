@@ -20,6 +20,7 @@ from numba.extending import overload
 
 from .. import _config
 from .cpu import write_kv, write_kv_bshd
+from .cpu_loops import accumulate_4x8, scores_4x4, value_of
 from .cpu_math import exp32, kind16, prefetch_ahead, widen16
 from .cpu_simd import accumulate_rows, score_tile, tile_ok
 
@@ -31,6 +32,15 @@ _BLOCK = 64
 # query rows per chunk (group x queries): 128 rows of accumulators at head_dim 128 are
 # 64 KiB, which stay in L2 while the chunk walks the cache
 _CHUNK_ROWS = 128
+# a decode step's block: the few rows of one token's group (at most _DECODE_ROWS) over
+# 32- or 64-bit K/V walk 512 positions per block (K and V blocks of 256 KiB at head_dim
+# 128 and float32: in L2). On the Zen 4 of 2026-12-05 the float32 step at 16k took 3.28
+# ms instead of 3.70 with the read ceiling at 2.29 ms in both runs: 72% of its speed
+# instead of 63% (benchmarks/README.md); 1,024 was no better, 2,048 and up worse (K and
+# V blocks outgrow L2). 16-bit caches are bound by their arithmetic and keep _BLOCK:
+# 512 made the float16 step 7% slower
+_DECODE_BLOCK = 512
+_DECODE_ROWS = 8
 # rows prefetched (into L2: cpu_math.PREFETCH_LOCALITY) ahead of the row computed, a few
 # lines per row spread over the arithmetic. A whole block prefetched at its start (1,024
 # lines at once) stalled: 32k float16 decode took 9.7 ms that way, 4.2 ms this way
@@ -75,27 +85,13 @@ def _rows_impl(src, table, buf):
     return lambda src, table, buf: src  # float32/float64 rows are read in place
 
 
-def _val(x, kind):
-    """A stored element as the arithmetic sees it: 16-bit bits widened by :func:`widen16`
-    (``kind`` 0 float16, 1 bfloat16), 8-bit codes as float32, floats as they are."""
-    raise NotImplementedError  # pragma: no cover - only called from compiled code
-
-
-@overload(_val, jit_options={"cache": True})
-def _val_impl(x, kind):
-    if x == types.uint16:
-        return lambda x, kind: widen16(x, kind)
-    if x == types.uint8:  # 8-bit codes: their integer values
-        return lambda x, kind: np.float32(x)
-    return lambda x, kind: x
-
-
 @njit(cache=True, fastmath=_config.FASTMATH)
 def _scores(qs, kb, s, c0, kind=-1, ahead=0):
     """s[r, c0 + j] = qs[r] . kb[j] for every query row r and cached row j of the block
     (``c0`` > 0: the block is a page of a longer chunk, as in the paged kernels). ``kb``
-    may be 16-bit bits, widened as they are loaded (``kind``, see :func:`_val`): no
-    widened copy is written and read back (that pass took a third of a decode step).
+    may be 16-bit bits, widened as they are loaded (``kind``, see
+    :func:`nbkv.kernels.cpu_loops.value_of`): no widened copy is written and read back
+    (that pass took a third of a decode step).
     ``ahead`` not 0: as row ``j`` is scored, row ``j + ahead`` is prefetched (past the
     block: the next block of contiguous rows, or a paged kernel's page ahead, in strides).
 
@@ -121,7 +117,7 @@ def _scores(qs, kb, s, c0, kind=-1, ahead=0):
         while j + 4 <= nb:
             if r == 0:  # the first rows' pass reads the block from memory
                 prefetch_ahead(kb, j, 4, ahead)
-            _scores_4x4(qs, kb, s, c0, kind, r, j)
+            scores_4x4(qs, kb, s, c0, kind, r, j)
             j += 4
         while j < nb:  # the last rows of a block not a multiple of four
             if r == 0:
@@ -129,7 +125,7 @@ def _scores(qs, kb, s, c0, kind=-1, ahead=0):
             ka = kb[j]
             a0 = a1 = a2 = a3 = qs.dtype.type(0.0)
             for d in range(dim):
-                x = _val(ka[d], kind)
+                x = value_of(ka[d], kind)
                 a0 += q0[d] * x
                 a1 += q1[d] * x
                 a2 += q2[d] * x
@@ -145,49 +141,9 @@ def _scores(qs, kb, s, c0, kind=-1, ahead=0):
             kr = kb[j]
             a0 = qr.dtype.type(0.0)
             for d in range(dim):
-                a0 += qr[d] * _val(kr[d], kind)
+                a0 += qr[d] * value_of(kr[d], kind)
             s[r, c0 + j] = a0
         r += 1
-
-
-@njit(cache=True, fastmath=_config.FASTMATH)
-def _scores_4x4(qs, kb, s, c0, kind, r, j):
-    """The plain loop's pass of :func:`_scores`: query rows ``r .. r + 3`` against K rows
-    ``j .. j + 3``, sixteen sums in flight, vectorised by LLVM along head_dim."""
-    dim = qs.shape[1]
-    q0, q1, q2, q3 = qs[r], qs[r + 1], qs[r + 2], qs[r + 3]
-    ka, kc, ke, kg = kb[j], kb[j + 1], kb[j + 2], kb[j + 3]
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = qs.dtype.type(0.0)
-    c_0 = c_1 = c_2 = c_3 = e0 = e1 = e2 = e3 = qs.dtype.type(0.0)
-    for d in range(dim):
-        x, y, z, u = (
-            _val(ka[d], kind),
-            _val(kc[d], kind),
-            _val(ke[d], kind),
-            _val(kg[d], kind),
-        )
-        p0, p1, p2, p3 = q0[d], q1[d], q2[d], q3[d]
-        a0 += p0 * x
-        a1 += p1 * x
-        a2 += p2 * x
-        a3 += p3 * x
-        b0 += p0 * y
-        b1 += p1 * y
-        b2 += p2 * y
-        b3 += p3 * y
-        c_0 += p0 * z
-        c_1 += p1 * z
-        c_2 += p2 * z
-        c_3 += p3 * z
-        e0 += p0 * u
-        e1 += p1 * u
-        e2 += p2 * u
-        e3 += p3 * u
-    j_ = c0 + j
-    s[r, j_], s[r + 1, j_], s[r + 2, j_], s[r + 3, j_] = a0, a1, a2, a3
-    s[r, j_ + 1], s[r + 1, j_ + 1], s[r + 2, j_ + 1], s[r + 3, j_ + 1] = b0, b1, b2, b3
-    s[r, j_ + 2], s[r + 1, j_ + 2], s[r + 2, j_ + 2], s[r + 3, j_ + 2] = c_0, c_1, c_2, c_3
-    s[r, j_ + 3], s[r + 1, j_ + 3], s[r + 2, j_ + 3], s[r + 3, j_ + 3] = e0, e1, e2, e3
 
 
 # error_model="numpy": a division by zero gives inf or NaN as IEEE says, never an exception
@@ -211,8 +167,9 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
     m_buf = np.empty(size, q.dtype)  # running maximum score per row
     denom_buf = np.empty(size, q.dtype)  # running sum of exp(score - m)
     acc_buf = np.empty((size, dim), q.dtype)  # running sum of exp(score - m) * V
-    s_buf = np.empty((size, _BLOCK), q.dtype)  # a block's scores, then weights
     kind = kind16(table)  # 16-bit caches: float16 (0) or bfloat16 (1), widened as loaded
+    block = _block_size(size, kind)  # positions per step of the online softmax
+    s_buf = np.empty((size, block), q.dtype)  # a block's scores, then weights
     k_rows, v_rows = k_cache[b, kvh], v_cache[b, kvh]
     for i0 in range(0, n_q, chunk):
         n_c = min(chunk, n_q - i0)
@@ -233,8 +190,8 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
         hi = p1 + 1 if causal else seq_len
         all_lo = max(0, p1 - window + 1) if window > 0 else 0
         all_hi = p0 + 1 if causal else seq_len
-        for j0 in range(lo, hi, _BLOCK):
-            j1 = min(j0 + _BLOCK, hi)
+        for j0 in range(lo, hi, block):
+            j1 = min(j0 + block, hi)
             nb = j1 - j0
             # the rows _AHEAD past each one start on their way while it is computed
             _scores(qs, k_rows[j0:j1], s, 0, kind, _AHEAD)
@@ -248,6 +205,14 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
             inv = 1.0 / denom[r]  # inf when nothing was finite: 0 * inf = NaN out
             for d in range(dim):
                 out[b, h, i0 + r % n_c, d] = acc[r, d] * inv
+
+
+@njit(cache=True)
+def _block_size(rows, kind):
+    """Positions per block for ``rows`` query rows over a cache of ``kind`` (see
+    :func:`nbkv.kernels.cpu_math.kind16`): ``_DECODE_BLOCK`` for a decode step's few rows
+    over 32- or 64-bit K/V, ``_BLOCK`` otherwise."""
+    return _DECODE_BLOCK if rows <= _DECODE_ROWS and kind < 0 else _BLOCK
 
 
 @njit(cache=True)
@@ -345,7 +310,7 @@ def _accumulate(s, vb, acc, c0, kind=-1, ahead=0):
         while j + 8 <= nb:
             if r == 0:
                 prefetch_ahead(vb, j, 8, ahead)
-            _accumulate_4x8(s, vb, acc, c0, kind, r, j)
+            accumulate_4x8(s, vb, acc, c0, kind, r, j)
             j += 8
         while j < nb:  # the positions left over
             if r == 0:
@@ -353,7 +318,7 @@ def _accumulate(s, vb, acc, c0, kind=-1, ahead=0):
             v0 = vb[j]
             w00, w10, w20, w30 = s0[c0 + j], s1[c0 + j], s2[c0 + j], s3[c0 + j]
             for d in range(dim):
-                x0 = _val(v0[d], kind)
+                x0 = value_of(v0[d], kind)
                 a0[d] += w00 * x0
                 a1[d] += w10 * x0
                 a2[d] += w20 * x0
@@ -367,73 +332,8 @@ def _accumulate(s, vb, acc, c0, kind=-1, ahead=0):
                 prefetch_ahead(vb, j, 1, ahead)
             w00, v0 = s0[c0 + j], vb[j]
             for d in range(dim):
-                a0[d] += w00 * _val(v0[d], kind)
+                a0[d] += w00 * value_of(v0[d], kind)
         r += 1
-
-
-@njit(cache=True, fastmath=_config.FASTMATH)
-def _accumulate_4x8(s, vb, acc, c0, kind, r, j):
-    """The plain loop's pass of :func:`_accumulate`: V rows ``j .. j + 7`` weighted into
-    accumulator rows ``r .. r + 3``."""
-    dim = acc.shape[1]
-    a0, a1, a2, a3 = acc[r], acc[r + 1], acc[r + 2], acc[r + 3]
-    s0, s1, s2, s3 = s[r], s[r + 1], s[r + 2], s[r + 3]
-    v0, v1, v2, v3 = vb[j], vb[j + 1], vb[j + 2], vb[j + 3]
-    v4, v5, v6, v7 = vb[j + 4], vb[j + 5], vb[j + 6], vb[j + 7]
-    k = c0 + j
-    w00, w01, w02, w03 = s0[k], s0[k + 1], s0[k + 2], s0[k + 3]
-    w04, w05, w06, w07 = s0[k + 4], s0[k + 5], s0[k + 6], s0[k + 7]
-    w10, w11, w12, w13 = s1[k], s1[k + 1], s1[k + 2], s1[k + 3]
-    w14, w15, w16, w17 = s1[k + 4], s1[k + 5], s1[k + 6], s1[k + 7]
-    w20, w21, w22, w23 = s2[k], s2[k + 1], s2[k + 2], s2[k + 3]
-    w24, w25, w26, w27 = s2[k + 4], s2[k + 5], s2[k + 6], s2[k + 7]
-    w30, w31, w32, w33 = s3[k], s3[k + 1], s3[k + 2], s3[k + 3]
-    w34, w35, w36, w37 = s3[k + 4], s3[k + 5], s3[k + 6], s3[k + 7]
-    for d in range(dim):
-        # four running sums, each a chain of eight fused multiply-adds (one
-        # expression per row was 18% slower: a multiply and an add more)
-        t0, t1, t2, t3 = a0[d], a1[d], a2[d], a3[d]
-        x = _val(v0[d], kind)
-        t0 += w00 * x
-        t1 += w10 * x
-        t2 += w20 * x
-        t3 += w30 * x
-        x = _val(v1[d], kind)
-        t0 += w01 * x
-        t1 += w11 * x
-        t2 += w21 * x
-        t3 += w31 * x
-        x = _val(v2[d], kind)
-        t0 += w02 * x
-        t1 += w12 * x
-        t2 += w22 * x
-        t3 += w32 * x
-        x = _val(v3[d], kind)
-        t0 += w03 * x
-        t1 += w13 * x
-        t2 += w23 * x
-        t3 += w33 * x
-        x = _val(v4[d], kind)
-        t0 += w04 * x
-        t1 += w14 * x
-        t2 += w24 * x
-        t3 += w34 * x
-        x = _val(v5[d], kind)
-        t0 += w05 * x
-        t1 += w15 * x
-        t2 += w25 * x
-        t3 += w35 * x
-        x = _val(v6[d], kind)
-        t0 += w06 * x
-        t1 += w16 * x
-        t2 += w26 * x
-        t3 += w36 * x
-        x = _val(v7[d], kind)
-        t0 += w07 * x
-        t1 += w17 * x
-        t2 += w27 * x
-        t3 += w37 * x
-        a0[d], a1[d], a2[d], a3[d] = t0, t1, t2, t3
 
 
 @njit(parallel=True, cache=True)
