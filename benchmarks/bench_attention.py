@@ -385,6 +385,10 @@ def figures(times, waited, rounds) -> tuple[np.ndarray, np.ndarray, float, dict]
     return t_all, quiet, med, out
 
 
+# a round's memory was at its fast level when the read took at most this times its p10
+FAST_READ = 1.25
+
+
 def paired_share(times, quiet_of, name, bytes_share, rounds) -> dict:
     """``name``'s share of the read ceiling, round by round: the read's time over the
     method's time in the same round (``bytes_share`` of the read for a 16-bit cache),
@@ -393,7 +397,11 @@ def paired_share(times, quiet_of, name, bytes_share, rounds) -> dict:
     same memory bandwidth, which on a shared machine jumps between levels that last
     seconds (the read at 32k has taken 4.1 and 7.4 ms in one run); a ratio of two medians
     mixes those levels. Returns the median share in percent, its p10/p90 and the rounds
-    used; no share (None) from fewer than ``MIN_QUIET_SHARE`` of ``rounds``."""
+    used; no share (None) from fewer than ``MIN_QUIET_SHARE`` of ``rounds``. Apart, the
+    median share in the rounds whose read ran at the memory's fast level (within
+    ``FAST_READ`` of the read's p10) and in the others, with their counts: a method
+    bound by its arithmetic keeps a share well below 100% when the memory is fast, and
+    nears it when the memory is slow."""
     t_read = np.asarray(times[READ], dtype=np.float64)
     t = np.asarray(times[name], dtype=np.float64)
     both = quiet_of[READ] & quiet_of[name]
@@ -401,11 +409,15 @@ def paired_share(times, quiet_of, name, bytes_share, rounds) -> dict:
         none = {"pct_of_read_paired": None, "pct_paired_p10": None, "pct_paired_p90": None}
         return {**none, "paired_rounds": int(both.sum())}
     share = 100.0 * bytes_share * t_read[both] / t[both]
+    fast = t_read[both] <= FAST_READ * np.percentile(t_read[both], 10)
     return {
         "pct_of_read_paired": float(np.median(share)),
         "pct_paired_p10": float(np.percentile(share, 10)),
         "pct_paired_p90": float(np.percentile(share, 90)),
         "paired_rounds": int(both.sum()),
+        "pct_paired_fast_memory": float(np.median(share[fast])),
+        "fast_memory_rounds": int(fast.sum()),
+        "pct_paired_slow_memory": float(np.median(share[~fast])) if (~fast).any() else None,
     }
 
 
@@ -629,6 +641,15 @@ def report(results: dict) -> None:
         print(f"  {line}")
 
 
+def _phases(m: dict) -> str:
+    """The paired share split by the memory's level (see :func:`paired_share`)."""
+    slow = m["pct_paired_slow_memory"]
+    return (
+        f"memory fast in {m['fast_memory_rounds']} rounds: {m['pct_paired_fast_memory']:.1f}%"
+        + (", in the others: -" if slow is None else f", in the others: {slow:.1f}%")
+    )
+
+
 def targets(results: dict, seq_len: int, pre: dict | None) -> list[tuple[str, bool | None, str]]:
     """Issue 14's goals at ``seq_len`` (decode) and for the prefill chunk, if run."""
     m = results[seq_len]["methods"]
@@ -644,7 +665,7 @@ def targets(results: dict, seq_len: int, pre: dict | None) -> list[tuple[str, bo
             else f"{share:.1f}% over {api['paired_rounds']} rounds (p10 "
             f"{api['pct_paired_p10']:.1f}%, p90 {api['pct_paired_p90']:.1f}%; kernel "
             + ("-" if kshare is None else f"{kshare:.1f}%")
-            + f"; ratio of medians {api['pct_of_read_ceiling']:.1f}%)",
+            + f"; ratio of medians {api['pct_of_read_ceiling']:.1f}%; {_phases(api)})",
         )
     ]
     peer = results[seq_len]["case"]["torch_peer"]

@@ -389,6 +389,11 @@ def test_paired_share_compares_each_round_with_its_own_read():
     assert got["pct_of_read_paired"] == pytest.approx(100 * (0.8 + 8 / 9) / 2)
     assert got["pct_paired_p10"] == pytest.approx(80.0)
     assert got["pct_paired_p90"] == pytest.approx(800 / 9)
+    # apart: the rounds whose read ran at the memory's fast level (4 units) and the others
+    assert got["fast_memory_rounds"] == 3
+    assert got["pct_paired_fast_memory"] == pytest.approx(80.0)
+    assert got["pct_paired_slow_memory"] == pytest.approx(800 / 9)
+    assert "memory fast in 3 rounds: 80.0%, in the others: 88.9%" in ba._phases(got)
     # a 16-bit cache reads half the bytes: its share is of half the read's time
     half = ba.paired_share(times, quiet, "m", 0.5, rounds=7)
     assert half["pct_of_read_paired"] == pytest.approx(got["pct_of_read_paired"] / 2)
