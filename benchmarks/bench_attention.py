@@ -50,7 +50,10 @@ Share of the read ceiling: "%ceil" is the read's median time over the method's; 
 (which decides the 85% target) takes the same share round by round, the read's time over
 the method's in the same round where neither call was disturbed, and gives its median
 (:func:`paired_share`). The memory's speed on a shared machine jumps between levels that
-last seconds; two calls of one round meet the same level, two medians need not.
+last seconds; two calls of one round meet the same level, two medians need not. The target
+lines split the paired figures by that level (rounds whose read ran within ``FAST_READ``
+of its p10, and the others), and the 16-bit targets are decided round by round too: the
+float32 kernel's time over the 16-bit kernel's in the same round (:func:`paired_speed`).
 
 Correctness is checked before any timing, against ``nbkv.reference.attention`` (float64)
 on the benchmark's own data, at the sizes in ``CHECK_SIZES`` (or, when ``--sizes`` runs
@@ -399,17 +402,20 @@ def paired_share(times, quiet_of, name, bytes_share, rounds) -> dict:
     mixes those levels. Returns the median share in percent, its p10/p90 and the rounds
     used; no share (None) from fewer than ``MIN_QUIET_SHARE`` of ``rounds``. Apart, the
     median share in the rounds whose read ran at the memory's fast level (within
-    ``FAST_READ`` of the read's p10) and in the others, with their counts: a method
+    ``FAST_READ`` of the read's p10; their count, and that bound) and in the others: a method
     bound by its arithmetic keeps a share well below 100% when the memory is fast, and
     nears it when the memory is slow."""
     t_read = np.asarray(times[READ], dtype=np.float64)
     t = np.asarray(times[name], dtype=np.float64)
     both = quiet_of[READ] & quiet_of[name]
     share = 100.0 * bytes_share * t_read / t
-    got = _by_level(share, t_read, both, rounds)
+    *got, bound = _by_level(share, t_read, both, rounds)
     keys = ("pct_of_read_paired", "pct_paired_p10", "pct_paired_p90", "paired_rounds")
     keys += ("pct_paired_fast_memory", "fast_memory_rounds", "pct_paired_slow_memory")
-    return dict(zip(keys, got, strict=True))
+    return {
+        **dict(zip(keys, got, strict=True)),
+        "fast_read_max_us": None if bound is None else bound / 1e3,  # times are in ns
+    }
 
 
 def paired_speed(times, quiet_of, name, ref, rounds) -> dict:
@@ -419,29 +425,33 @@ def paired_speed(times, quiet_of, name, ref, rounds) -> dict:
     both = quiet_of[READ] & quiet_of[name] & quiet_of[ref]
     t_read = np.asarray(times[READ], dtype=np.float64)
     speed = np.asarray(times[ref], dtype=np.float64) / np.asarray(times[name], np.float64)
-    med, _, _, n, fast, _, slow = _by_level(speed, t_read, both, rounds)
+    med, _, _, n, fast, n_fast, slow, _ = _by_level(speed, t_read, both, rounds)
     return {
-        "speed_vs_kernel_paired": med,
+        "speed_vs_kernel_paired": med,  # ``ref`` is the float32 kernel here
         "speed_paired_rounds": n,
         "speed_paired_fast_memory": fast,
+        "speed_fast_memory_rounds": n_fast,
         "speed_paired_slow_memory": slow,
     }
 
 
 def _by_level(x, t_read, used, rounds) -> tuple:
     """Median, p10, p90 and count of ``x`` over the rounds ``used``; its median over those
-    whose read ran at the memory's fast level, their count, its median over the others.
-    None for each figure from fewer than ``MIN_QUIET_SHARE`` of ``rounds`` (or no round
-    at a level)."""
+    whose read ran at the memory's fast level (at most ``FAST_READ`` times the read's p10
+    over those rounds), their count, its median over the others, and that bound on the
+    read's time. None for each figure from fewer than ``MIN_QUIET_SHARE`` of ``rounds``
+    (or no round at a level). If less than a tenth of the rounds met fast memory, the
+    "fast" level is the fastest tenth of a slow run: the bound, recorded, says which."""
     n = int(used.sum())
     if n < max(1, MIN_QUIET_SHARE * rounds):  # too few to say
-        return None, None, None, n, None, 0, None
+        return None, None, None, n, None, 0, None, None
     x, t_read = x[used], t_read[used]
-    fast = t_read <= FAST_READ * np.percentile(t_read, 10)
+    bound = FAST_READ * float(np.percentile(t_read, 10))
+    fast = t_read <= bound
     slow = float(np.median(x[~fast])) if (~fast).any() else None
     p10, p90 = np.percentile(x, [10, 90])
     med, med_fast = float(np.median(x)), float(np.median(x[fast]))
-    return med, float(p10), float(p90), n, med_fast, int(fast.sum()), slow
+    return med, float(p10), float(p90), n, med_fast, int(fast.sum()), slow, bound
 
 
 def bench_size(seq_len, rounds, rng, check_it=None):
@@ -666,12 +676,18 @@ def report(results: dict) -> None:
         print(f"  {line}")
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.1f}%"
+
+
 def _phases(m: dict) -> str:
     """The paired share split by the memory's level (see :func:`paired_share`)."""
-    slow = m["pct_paired_slow_memory"]
+    bound = m["fast_read_max_us"]
     return (
-        f"memory fast in {m['fast_memory_rounds']} rounds: {m['pct_paired_fast_memory']:.1f}%"
-        + (", in the others: -" if slow is None else f", in the others: {slow:.1f}%")
+        f"memory fast in {m['fast_memory_rounds']} rounds"
+        + ("" if bound is None else f" (read <= {bound / 1e3:.2f} ms)")
+        + f": {_pct(m['pct_paired_fast_memory'])}, in the others: "
+        + _pct(m["pct_paired_slow_memory"])
     )
 
 
@@ -680,7 +696,7 @@ def _phase_speeds(m16: dict) -> str:
     memory (see :func:`paired_speed`)."""
     fast, slow = m16["speed_paired_fast_memory"], m16["speed_paired_slow_memory"]
     return (
-        "memory fast: "
+        f"memory fast in {m16['speed_fast_memory_rounds']} rounds: "
         + ("-" if fast is None else f"{fast:.2f}x")
         + (", in the others: " + ("-" if slow is None else f"{slow:.2f}x"))
     )

@@ -6,11 +6,12 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import nbkv
 from nbkv import _config, reference
+from nbkv.kernels import cpu_attention
 
 from conftest import DEVICE, LAYOUTS, cpu_only, dtype_of, host, randn, shape_of
 from test_errors import assert_same, snapshot
@@ -81,38 +82,56 @@ def test_parallel_and_serial_cpu_kernels_match_the_reference(
 
 
 @cpu_only
+def test_a_few_rows_over_32_or_64_bit_rows_take_long_blocks():
+    block = cpu_attention._block_size.py_func
+    assert block(8, -1, 128 * 4) == 512  # a decode step at group 8, float32, head_dim 128
+    assert block(4, -1, 128 * 8) == 256  # float64: 256 KiB of rows at the most
+    assert block(4, -1, 24 * 4) == 512  # small rows: 512 at the most
+    assert block(4, -1, 4096 * 4) == 64  # rows too large for two blocks of 64: 64
+    assert block(9, -1, 128 * 4) == 64  # more rows (a prefill chunk)
+    assert block(4, 0, 128 * 2) == block(4, 1, 128 * 2) == 64  # float16, bfloat16
+
+
 @cpu_only
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
     dtype=st.sampled_from(["float32", "float64"]),
     group=st.sampled_from([1, 2, 4, 8]),
+    n_q=st.integers(1, 8),
     head_dim=st.sampled_from([16, 24, 128]),  # vector IR (1 and 4 passes), plain loops
-    seq_len=st.integers(1, 1600),  # 512-position blocks: none full to three and a part
+    seq_len=st.integers(1, 1600),  # up to three blocks of 512 and part of a fourth
     window=st.one_of(st.none(), st.integers(1, 1200)),
     causal=st.booleans(),
 )
-def test_decode_blocks_of_512_match_the_reference_and_the_64_blocks(
-    seed, dtype, group, head_dim, seq_len, window, causal
+@example(0, "float32", 2, 4, 128, 1025, 600, True)  # masks at a block's edge, both ends
+@example(1, "float32", 1, 8, 16, 1100, 513, False)  # non-causal window past a boundary
+@example(2, "float64", 4, 2, 128, 700, None, True)  # float64 rows: blocks of 256
+def test_long_blocks_match_the_reference_and_the_64_position_blocks(
+    seed, dtype, group, n_q, head_dim, seq_len, window, causal
 ):
-    """A decode step (at most 8 query rows per KV head, 32- or 64-bit K/V) walks blocks
-    of 512 positions (cpu_attention._DECODE_BLOCK); a prefill chunk walks blocks of 64.
-    Both against the float64 reference, and the decode step against the same query
-    repeated three times, non-causal, which takes the 64-position path."""
+    """A chunk of at most 8 query rows per KV head over 32- or 64-bit K/V (a decode step)
+    walks blocks of up to 512 positions (cpu_attention._block_size), every other chunk
+    blocks of 64. The short chunk against the float64 reference, and against the same
+    queries as the last of a chunk of more than 8 rows (earlier queries before them),
+    which walks blocks of 64: each query's output depends on its position alone."""
+    n_q = max(1, min(n_q, 8 // group, seq_len))
     rng = np.random.default_rng(seed)
     tol = TOL if dtype == "float32" else 1e-12
     cache, K, V = make_cache(rng, "bhsd", dtype, 2, head_dim, seq_len, seq_len, batch=1)
-    q = randn(rng, (1, 2 * group, 1, head_dim), dtype)
+    q = randn(rng, (1, 2 * group, n_q, head_dim), dtype)
     got = nbkv.attention(q, cache, causal=causal, window=window)
     want = reference.attention(q, K, V, causal=causal, window=window)
     np.testing.assert_allclose(got, want, rtol=0, atol=tol)
-    if group > 2 and seq_len >= 3:  # 3 x group rows > 8: blocks of 64 positions
-        plain = nbkv.attention(np.repeat(q, 3, axis=2), cache, causal=False)
-        decode = nbkv.attention(q, cache, causal=False)
-        np.testing.assert_allclose(decode[:, :, 0], plain[:, :, 0], rtol=0, atol=tol / 10)
-        np.testing.assert_array_equal(plain[:, :, 0], plain[:, :, 2])
+    extra = 8 // group + 1 - n_q  # queries before them: more than 8 rows in all
+    if extra + n_q <= seq_len:
+        earlier = randn(rng, (1, 2 * group, extra, head_dim), dtype)
+        longer = np.concatenate([earlier, q], axis=2)
+        plain = nbkv.attention(longer, cache, causal=causal, window=window)
+        np.testing.assert_allclose(got, plain[:, :, extra:], rtol=0, atol=tol)
 
 
+@cpu_only
 def test_float64_queries_over_a_float64_cache_stay_float64(rng):
     cache, K, V = make_cache(rng, "bshd", "float64", 2, 8, 9, 12)
     q = randn(rng, (2, 4, 3, 8), "float64")

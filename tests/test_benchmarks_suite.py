@@ -393,7 +393,10 @@ def test_paired_share_compares_each_round_with_its_own_read():
     assert got["fast_memory_rounds"] == 3
     assert got["pct_paired_fast_memory"] == pytest.approx(80.0)
     assert got["pct_paired_slow_memory"] == pytest.approx(800 / 9)
-    assert "memory fast in 3 rounds: 80.0%, in the others: 88.9%" in ba._phases(got)
+    assert got["fast_read_max_us"] == pytest.approx(1.25 * 4.0 / 1e3)  # times in ns
+    assert "memory fast in 3 rounds (read <= 0.00 ms): 80.0%, in the others: 88.9%" in (
+        ba._phases(got)
+    )
     # a 16-bit kernel taking 4 units in every round, against the float32 one: 1.25x while
     # the memory is fast, 2.25x while it is slow; the disturbed last round left out
     times["f16"] = [4.0] * 7
@@ -403,7 +406,8 @@ def test_paired_share_compares_each_round_with_its_own_read():
     assert speed["speed_vs_kernel_paired"] == pytest.approx(1.75)
     assert speed["speed_paired_fast_memory"] == pytest.approx(1.25)
     assert speed["speed_paired_slow_memory"] == pytest.approx(2.25)
-    assert ba._phase_speeds(speed) == "memory fast: 1.25x, in the others: 2.25x"
+    assert speed["speed_fast_memory_rounds"] == 3
+    assert ba._phase_speeds(speed) == "memory fast in 3 rounds: 1.25x, in the others: 2.25x"
     # a 16-bit cache reads half the bytes: its share is of half the read's time
     half = ba.paired_share(times, quiet, "m", 0.5, rounds=7)
     assert half["pct_of_read_paired"] == pytest.approx(got["pct_of_read_paired"] / 2)

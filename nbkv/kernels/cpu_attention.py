@@ -26,21 +26,24 @@ from .cpu_simd import accumulate_rows, score_tile, tile_ok
 
 __all__ = ["attend", "attend_serial", "attend_bshd", "append_attend", "append_attend_bshd"]
 
-# positions scored per step of the online softmax: a block of K (or V) rows, 32 KiB of
+# positions scored per step of the online softmax, for a chunk of more than _FEW_ROWS
+# query rows (a prefill chunk) or a 16-bit cache: a block of K (or V) rows, 32 KiB of
 # float32 at head_dim 128, stays in L1/L2 while every query row of the group uses it
 _BLOCK = 64
 # query rows per chunk (group x queries): 128 rows of accumulators at head_dim 128 are
 # 64 KiB, which stay in L2 while the chunk walks the cache
 _CHUNK_ROWS = 128
-# a decode step's block: the few rows of one token's group (at most _DECODE_ROWS) over
-# 32- or 64-bit K/V walk 512 positions per block (K and V blocks of 256 KiB at head_dim
-# 128 and float32: in L2). On the Zen 4 of 2026-12-05 the float32 step at 16k took 3.28
-# ms instead of 3.70 with the read ceiling at 2.29 ms in both runs: 72% of its speed
-# instead of 63% (benchmarks/README.md); 1,024 was no better, 2,048 and up worse (K and
-# V blocks outgrow L2). 16-bit caches are bound by their arithmetic and keep _BLOCK:
-# 512 made the float16 step 7% slower
-_DECODE_BLOCK = 512
-_DECODE_ROWS = 8
+# a chunk of at most _FEW_ROWS query rows (a decode step of one token's group, or a short
+# chunk) over 32- or 64-bit K/V walks blocks of up to _LONG_BLOCK positions, _LONG_BYTES of
+# K (and of V) at most: 512 positions of float32 at head_dim 128, in L2 (float64 or
+# head_dim 256: 256). On the Zen 4 of 2026-12-05 the nbkv API's step at 16k took 3.28 ms
+# instead of 3.70 with the read ceiling at 2.29 ms in both runs (paired share 63% -> 72%;
+# benchmarks/README.md); 1,024 was no better, 2,048 and up worse (K and V blocks outgrow
+# L2). 16-bit caches are bound by their arithmetic and keep _BLOCK: 512 made the float16
+# step 7% slower
+_LONG_BLOCK = 512
+_LONG_BYTES = 256 * 1024
+_FEW_ROWS = 8
 # rows prefetched (into L2: cpu_math.PREFETCH_LOCALITY) ahead of the row computed, a few
 # lines per row spread over the arithmetic. A whole block prefetched at its start (1,024
 # lines at once) stalled: 32k float16 decode took 9.7 ms that way, 4.2 ms this way
@@ -92,8 +95,9 @@ def _scores(qs, kb, s, c0, kind=-1, ahead=0):
     may be 16-bit bits, widened as they are loaded (``kind``, see
     :func:`nbkv.kernels.cpu_loops.value_of`): no widened copy is written and read back
     (that pass took a third of a decode step).
-    ``ahead`` not 0: as row ``j`` is scored, row ``j + ahead`` is prefetched (past the
-    block: the next block of contiguous rows, or a paged kernel's page ahead, in strides).
+    ``ahead`` not 0: as row ``j`` is scored, row ``j + ahead`` is prefetched (in this
+    block, or past it: the next block of contiguous rows, or a paged kernel's page ahead,
+    in strides).
 
     Four query rows by four K rows per pass: each K element loaded feeds four dot
     products and each query element four. Where :func:`nbkv.kernels.cpu_simd.tile_ok`
@@ -154,7 +158,9 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
     The queries go in chunks of ``_CHUNK_ROWS // group`` (a decode step is one chunk):
     a chunk's running state (``acc``: 64 KiB at head_dim 128) stays in the L1/L2 caches
     while it walks the positions its queries see, which a prefill's whole group would not
-    (512 queries at group 4: 1 MiB of accumulators, rewritten once per block)."""
+    (512 queries at group 4: 1 MiB of accumulators, rewritten once per block). The walk
+    goes in blocks of :func:`_block_size` positions: 512 for a decode step over float32
+    K/V at head_dim 128, 64 for a prefill chunk or a 16-bit cache."""
     batch, num_heads, n_q, dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -168,7 +174,7 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
     denom_buf = np.empty(size, q.dtype)  # running sum of exp(score - m)
     acc_buf = np.empty((size, dim), q.dtype)  # running sum of exp(score - m) * V
     kind = kind16(table)  # 16-bit caches: float16 (0) or bfloat16 (1), widened as loaded
-    block = _block_size(size, kind)  # positions per step of the online softmax
+    block = _block_size(size, kind, dim * k_cache.itemsize)  # positions per softmax step
     s_buf = np.empty((size, block), q.dtype)  # a block's scores, then weights
     k_rows, v_rows = k_cache[b, kvh], v_cache[b, kvh]
     for i0 in range(0, n_q, chunk):
@@ -208,11 +214,16 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
 
 
 @njit(cache=True)
-def _block_size(rows, kind):
-    """Positions per block for ``rows`` query rows over a cache of ``kind`` (see
-    :func:`nbkv.kernels.cpu_math.kind16`): ``_DECODE_BLOCK`` for a decode step's few rows
-    over 32- or 64-bit K/V, ``_BLOCK`` otherwise."""
-    return _DECODE_BLOCK if rows <= _DECODE_ROWS and kind < 0 else _BLOCK
+def _block_size(rows, kind, row_bytes):
+    """Positions per block for a chunk of ``rows`` query rows over cached rows of
+    ``row_bytes`` bytes each (one head's K or V at a position) and ``kind`` (see
+    :func:`nbkv.kernels.cpu_math.kind16`): over 32- or 64-bit K/V, at most ``_FEW_ROWS``
+    rows walk the most whole multiples of ``_BLOCK`` up to ``_LONG_BLOCK`` whose rows fit in
+    ``_LONG_BYTES``; anything else walks ``_BLOCK``."""
+    if rows > _FEW_ROWS or kind >= 0:
+        return _BLOCK
+    fit = _LONG_BYTES // max(1, row_bytes) // _BLOCK * _BLOCK
+    return max(_BLOCK, min(_LONG_BLOCK, fit))
 
 
 @njit(cache=True)

@@ -26,7 +26,7 @@ def value_of(x, kind):
 
 
 @overload(value_of, jit_options={"cache": True})
-def _val_impl(x, kind):
+def _value_of_impl(x, kind):
     if x == types.uint16:
         return lambda x, kind: widen16(x, kind)
     if x == types.uint8:  # 8-bit codes: their integer values
