@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import cpu_only
@@ -446,3 +447,58 @@ def test_bench_attention_main_runs_two_sizes_and_checks_the_smallest(tmp_path, m
     assert sorted(results, key=int) == ["512", "4096"]
     assert results["512"]["case"]["checked_max_abs_err"] is None  # 4096 is the one checked
     assert results["4096"]["case"]["checked_max_abs_err"] < ba.ATOL
+
+
+def _bench_phases():
+    _bench_attention()  # puts benchmarks/ on sys.path
+    import bench_phases
+
+    return bench_phases
+
+
+def test_bench_phases_main_checks_and_reports_every_phase(tmp_path, monkeypatch):
+    bp = _bench_phases()
+    out = tmp_path / "p.json"
+    monkeypatch.setattr(sys, "argv", ["bench_phases", "--quick", "--json", str(out)])
+    bp.main()
+    data = json.loads(out.read_text())
+    lanes = data["config"]["lanes"]
+    assert data["fmas_per_position"] == 2 * bp.GROUP * bp.DIM / lanes
+    assert data["floor_ns"] == pytest.approx(data["fma_ns"] * data["fmas_per_position"])
+    assert set(data["results"]) == set(bp.DTYPES)
+    for dtype, r in data["results"].items():
+        assert data["max_error"][dtype] <= bp.TOLERANCE
+        kind = bp.KINDS[dtype]
+        itemsize = 4 if dtype == "float32" else 2
+        assert r["block"] == bp.ca._block_size(bp.GROUP, kind, bp.DIM * itemsize)
+        assert all(r[f"{p}_ns"] > 0 for p in bp.PHASES) and r["whole_ns"] > 0
+        assert r["phases_ns"] == pytest.approx(sum(r[f"{p}_ns"] for p in bp.PHASES))
+    assert data["results"]["float32"]["block"] > data["results"]["float16"]["block"]
+
+
+def test_bench_phases_check_fails_when_the_phases_disagree_with_float64(monkeypatch):
+    bp = _bench_phases()
+    real = bp.reference.attention
+
+    class Off:
+        @staticmethod
+        def attention(*args, **kwargs):
+            return real(*args, **kwargs) + 10 * bp.TOLERANCE
+
+    monkeypatch.setattr(bp, "reference", Off)
+    with pytest.raises(AssertionError, match="off float64"):
+        bp.check("float16", np.random.default_rng(1))
+
+
+def test_bench_phases_fma_loop_runs_every_chain_n_rounds():
+    # the timed loop must do what it is timed for: chain k starts at k and each round
+    # adds 1e-7 (the multiplier rounds to 1.0 in float32), so the sum says how many ran
+    bp = _bench_phases()
+    for n in (0, 1, 5):
+        accs = [np.float32(k) for k in range(bp._chains())]
+        for _ in range(n):
+            accs = [np.float32(a + np.float32(1e-7)) for a in accs]
+        want = accs[0]
+        for a in accs[1:]:
+            want = np.float32(want + a)
+        assert bp._fma_run(n) == want, n
