@@ -16,13 +16,16 @@ here on purpose.
 The floor: the scores and the V pass each take ``rows x head_dim`` multiply-adds per
 position. That is ``2 * rows * head_dim / lanes`` vector FMAs in all: 64 at group 4,
 head_dim 128, 16 lanes (AVX-512). A loop of independent FMA chains measures how long one
-vector FMA takes at this core's full rate. Last, what the arithmetic of a decode step at
-``--seq`` positions costs on Numba's threads (ns per position x positions x KV heads /
-threads), to set beside ``bench_attention.py``'s read ceiling: where it comes near the
-read, the step cannot hide the one behind the other.
+vector FMA takes at this core's full rate. Last, an estimate of what the arithmetic of a
+decode step at ``--seq`` positions costs on Numba's threads (the whole task's ns per
+position x positions x KV heads / threads: it assumes the threads scale perfectly and
+counts the task's fixed costs as spread over 1,024 positions), to set beside
+``bench_attention.py``'s read ceiling: where it comes near the read, the step cannot hide
+the one behind the other.
 
-Every phase is checked first: the three composed over all blocks of one KV head must give
-``nbkv.reference.attention`` (float64) of the same data.
+Everything is checked first: the three passes composed over all blocks of one KV head, and
+the whole task, must give ``nbkv.reference.attention`` (float64) of the same data; each
+timed loop, run once, must give the float64 scores, weights and weighted V sums.
 
 Usage: ``python benchmarks/bench_phases.py [--quick] [--json PATH] [--seq N]``.
 """
@@ -68,6 +71,12 @@ def _chains() -> int:
     return 24 if tile_lanes() == 16 else 10
 
 
+def _chain_start(k: int) -> float:
+    """Where FMA chain ``k`` starts: distinct, so that LLVM cannot merge two chains, and
+    small, so that a round's 1e-7 shows in their sum."""
+    return k * 1e-3
+
+
 @intrinsic
 def _fma_loop(typingctx, n):
     """``n`` rounds of :func:`_chains` independent vector FMAs (``tile_lanes()`` lanes),
@@ -80,7 +89,8 @@ def _fma_loop(typingctx, n):
         f32, f32v = ir.FloatType(), ir.VectorType(ir.FloatType(), tile_lanes())
         intp = context.get_value_type(types.intp)
         count = context.cast(builder, args[0], signature.args[0], types.intp)
-        # multiplier and addend from n, so that nothing folds: x = 1 - n * 1e-12, y = 1e-7
+        # multiplier from n, so that nothing folds: x = 1 - n * 1e-12 (1.0 in float32 until n
+        # nears 10**5); chain k starts at k * 1e-3 and adds y = 1e-7 per round
         x0 = builder.fsub(f32(1.0), builder.fmul(builder.sitofp(count, f32), f32(1e-12)))
         one = builder.insert_element(ir.Constant(f32v, None), x0, ir.IntType(32)(0))
         x = builder.shuffle_vector(
@@ -103,13 +113,13 @@ def _fma_loop(typingctx, n):
         i.add_incoming(intp(0), entry)
         i.add_incoming(i_next, loop)
         for k, (phi, v) in enumerate(zip(accs, new, strict=True)):
-            phi.add_incoming(ir.Constant(f32v, [float(k)] * lanes), entry)
+            phi.add_incoming(ir.Constant(f32v, [_chain_start(k)] * lanes), entry)
             phi.add_incoming(v, loop)
         builder.position_at_end(done)
         outs = []
         for k, v in enumerate(new):
             out = builder.phi(f32v)
-            out.add_incoming(ir.Constant(f32v, [float(k)] * lanes), entry)
+            out.add_incoming(ir.Constant(f32v, [_chain_start(k)] * lanes), entry)
             out.add_incoming(v, loop)
             outs.append(out)
         total = outs[0]
@@ -147,6 +157,10 @@ def _run_scores(qs, kb, s, block, kind, reps):
 
 @njit
 def _run_softmax(s, m, denom, acc, block, positions, reps):
+    """The softmax over ``positions // block`` blocks, ``reps`` times, on one buffer: after
+    its first pass ``s`` holds weights (at most 1), which the later passes take as scores.
+    The instructions are the same (``exp32`` has no branch); only the running maximum no
+    longer grows, so the rescaling of ``acc`` is skipped, as in most blocks of a real step."""
     for _ in range(reps):
         for _j0 in range(0, positions, block):
             ca._online_softmax(s, block, m, denom, acc)
@@ -249,18 +263,36 @@ def _repeat_whole(q, kc, vc, table, out, reps):
         ca.attend_serial(q, kc, vc, kc.shape[2], 1.0, False, 0, table, out)
 
 
+def _close(phase: str, dtype: str, got, want) -> None:
+    """Raise unless ``got`` matches the float64 ``want`` to float32 rounding."""
+    err = float(np.max(np.abs(got - want) / (1.0 + np.abs(want))))
+    if not err <= TOLERANCE:
+        raise AssertionError(f"{dtype}: the timed {phase} pass is {err:.2e} off float64")
+
+
 def measure(dtype: str, reps: int, rng) -> dict:
     """ns per position per KV head for each phase and the whole task, best of five."""
-    qs, kb, vb, _, _, table = _data(dtype, rng)
+    qs, kb, vb, kf, vf, table = _data(dtype, rng)
     kind = KINDS[dtype]
     block = ca._block_size(GROUP, kind, DIM * kb.itemsize)
+    assert POSITIONS % block == 0, (POSITIONS, block)  # the wrappers walk whole blocks
     s = np.empty((GROUP, block), np.float32)
-    _run_scores(qs, kb, s, block, kind, 1)  # real scores, then real weights, for the rest
     m = np.full(GROUP, -np.inf, np.float32)
     denom = np.zeros(GROUP, np.float32)
     acc = np.zeros((GROUP, DIM), np.float32)
-    _run_softmax(s, m, denom, acc, block, POSITIONS, 1)
+    # each timed wrapper run once and checked: the scores of the last block, its weights
+    # from a fresh state, and the V pass of those weights over every block
+    q64 = qs.astype(np.float64)
+    _run_scores(qs, kb, s, block, kind, 1)
+    scores = q64 @ kf[POSITIONS - block :].T.astype(np.float64)
+    _close("scores", dtype, s, scores)
+    _run_softmax(s, m, denom, acc, block, block, 1)
+    weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+    _close("softmax", dtype, s, weights)
+    _close("softmax", dtype, denom, weights.sum(axis=1))
     _run_accumulate(s, vb, acc, block, kind, 1)
+    v_sum = vf.astype(np.float64).reshape(-1, block, DIM).sum(axis=0)  # every block, same s
+    _close("accumulate", dtype, acc, s.astype(np.float64) @ v_sum)
     runs = {
         "scores": (_run_scores, (qs, kb, s, block, kind, reps)),
         "softmax": (_run_softmax, (s, m, denom, acc, block, POSITIONS, reps)),
@@ -319,7 +351,7 @@ def main() -> None:
         )
     print(
         "\nfloor/whole: the share of the task's time its vector FMAs need at full rate;"
-        " step ms: the arithmetic of one decode step, memory aside"
+        " step ms: an estimate of one decode step's arithmetic, memory aside"
     )
     if args.json:
         Path(args.json).write_text(

@@ -486,19 +486,43 @@ def test_bench_phases_check_fails_when_the_phases_disagree_with_float64(monkeypa
             return real(*args, **kwargs) + 10 * bp.TOLERANCE
 
     monkeypatch.setattr(bp, "reference", Off)
-    with pytest.raises(AssertionError, match="off float64"):
+    with pytest.raises(AssertionError, match="composed phases are .* off float64"):
         bp.check("float16", np.random.default_rng(1))
 
 
-def test_bench_phases_fma_loop_runs_every_chain_n_rounds():
-    # the timed loop must do what it is timed for: chain k starts at k and each round
-    # adds 1e-7 (the multiplier rounds to 1.0 in float32), so the sum says how many ran
+def test_bench_phases_check_fails_when_the_whole_task_disagrees(monkeypatch):
     bp = _bench_phases()
-    for n in (0, 1, 5):
-        accs = [np.float32(k) for k in range(bp._chains())]
+    real = bp._whole
+    monkeypatch.setattr(bp, "_whole", lambda *a, **k: real(*a, **k) + 10 * bp.TOLERANCE)
+    with pytest.raises(AssertionError, match="attend_serial is .* off float64"):
+        bp.check("float32", np.random.default_rng(2))
+
+
+def test_bench_phases_checks_each_timed_pass(monkeypatch):
+    # a timed loop that computes something else is caught before it is timed
+    bp = _bench_phases()
+    real = bp._run_scores
+
+    def scores_of_the_first_block(qs, kb, s, block, kind, reps):
+        real(qs, kb[:block], s, block, kind, reps)  # the last block is the one expected
+
+    monkeypatch.setattr(bp, "_run_scores", scores_of_the_first_block)
+    with pytest.raises(AssertionError, match="timed scores pass"):
+        bp.measure("float32", 1, np.random.default_rng(3))
+
+
+def test_bench_phases_fma_loop_runs_every_chain_n_rounds():
+    # the timed loop must do what it is timed for: chain k starts at k * 1e-3 and each
+    # round adds 1e-7 (the multiplier is 1.0 in float32 for these n), so the sum counts them
+    bp = _bench_phases()
+    results = {}
+    for n in (0, 1, 5, 1000):
+        accs = [np.float32(bp._chain_start(k)) for k in range(bp._chains())]
         for _ in range(n):
             accs = [np.float32(a + np.float32(1e-7)) for a in accs]
         want = accs[0]
         for a in accs[1:]:
             want = np.float32(want + a)
-        assert bp._fma_run(n) == want, n
+        results[n] = bp._fma_run(n)
+        assert results[n] == want, n
+    assert results[0] < results[1] < results[5] < results[1000]
