@@ -1,8 +1,10 @@
-"""The CPU attention's vector-IR paths (nbkv.kernels.cpu_simd): the 4 x 4 score tile and
-the four-row V accumulation, against float64 NumPy and against the plain loops they
-replace, on random shapes that reach the edges (head_dim 16 to 256, one pass or four
-vectors a pass, blocks of 1 to 70 positions, 16-bit rows), and checked to write every
-element they own and nothing else."""
+"""The CPU attention's vector-IR paths (nbkv.kernels.cpu_simd, cpu_vector): the 4 x 4 score
+tile, the four-row V accumulation and the row maximum, against float64 NumPy and against
+the plain loops they replace, on random shapes that reach the edges (head_dim 16 to 256,
+one pass or four vectors a pass, blocks of 1 to 70 positions, 16-bit rows; rows of 0 to
+200 scores with NaN and infinities), and checked to write every element they own and
+nothing else.
+Last, the online softmax step built on the row maximum against its float64 arithmetic."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from nbkv.dtypes import kernel_dtype, resolve_dtype, widen_table
 from nbkv.kernels import cpu_attention
 from nbkv.kernels.cpu_math import kind16
 from nbkv.kernels.cpu_simd import LANES, accumulate_rows, score_tile, tile_lanes, tile_ok
+from nbkv.kernels.cpu_vector import row_max
 
 from conftest import cpu_only
 
@@ -49,6 +52,31 @@ def _rows(s, r, vb, nb, acc, c0, kind, ahead):
 @njit
 def _ok(qs, kb):
     return tile_ok(qs, kb)
+
+
+@njit
+def _max(s, r, nb):
+    return row_max(s, r, nb)
+
+
+def _scalar_max(row):
+    """The plain loop's maximum: ``best = x if x > best else best`` from ``-inf``."""
+    best = -np.inf
+    for x in row:
+        best = x if x > best else best
+    return best
+
+
+def _scores_with_edges(rng, rows, width):
+    """float32 scores with NaN, infinities and signed zeros sprinkled in, some rows all
+    -inf or all NaN (a masked or poisoned block)."""
+    s = (rng.standard_normal((rows, width)) * 4).astype(np.float32)
+    for value in (np.nan, np.inf, -np.inf, 0.0, -0.0):
+        hit = rng.random((rows, width)) < rng.choice([0.0, 0.01, 0.2])
+        s[hit] = value
+    s[0] = -np.inf
+    s[1] = np.nan
+    return s
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -152,3 +180,72 @@ def test_block_functions_agree_with_the_plain_loops_they_replace(name, seed):
         cpu_attention._accumulate(w, block, fast_acc, 0, kind, 64)
         cpu_attention._accumulate(w, strided, plain_acc, 0, kind, 64)
         np.testing.assert_allclose(fast_acc, plain_acc, rtol=2e-5, atol=2e-5 * mag * np.sqrt(nb))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_row_max_is_the_plain_loops_maximum_at_every_length(seed):
+    # the vector path takes multiples of 4 x tile_lanes() scores and the loop the rest:
+    # every length from 0 to 200 crosses both, with NaN (never taken) and infinities
+    rng = np.random.default_rng(200 + seed)
+    s = _scores_with_edges(rng, 8, 203)
+    s[2, 100] = np.float32(1e30)  # one lane's maximum, past the first vectors
+    for nb in range(0, 201):
+        for r in range(8):
+            want = _scalar_max(s[r, :nb])
+            got = _max(s, r, nb)
+            assert got == want or (np.isinf(want) and got == want), (nb, r, got, want)
+            assert not np.isnan(got)
+    # the loop alone (strided rows, float64) gives the same
+    strided = np.zeros((8, 406), np.float32)
+    strided[:, ::2] = s
+    for nb in (0, 1, 63, 64, 65, 200):
+        for r in range(8):
+            want = _scalar_max(s[r, :nb])
+            assert _max(strided[:, ::2], r, nb) == want
+            assert _max(s.astype(np.float64), r, nb) == want
+
+
+def _softmax_step_f64(s, nb, m, denom, acc):
+    """The online softmax step in float64, as nbkv.kernels.cpu_attention._online_softmax
+    documents it."""
+    for r in range(s.shape[0]):
+        x = s[r, :nb]
+        block_max = _scalar_max(x)
+        if block_max == -np.inf:
+            poisoned = np.isnan(x).any()
+            s[r, :nb] = 0.0
+            if poisoned:
+                m[r] = denom[r] = np.nan
+            continue
+        m_new = max(m[r], block_max) if not np.isnan(m[r]) else m[r]
+        correction = np.exp(m[r] - m_new)
+        acc[r] *= correction
+        w = np.exp(x - m_new)
+        s[r, :nb] = w
+        denom[r] = denom[r] * correction + w.sum()
+        m[r] = m_new
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_online_softmax_step_matches_its_float64_arithmetic(seed):
+    # a running state that the block raises (rescaled), leaves (the rescaling skipped),
+    # or meets with nothing finite (masked) or with NaN (poisoned), over block lengths
+    # the vector maximum and its tail both see
+    rng = np.random.default_rng(300 + seed)
+    for _ in range(12):
+        rows, nb, dim = int(rng.integers(2, 10)), int(rng.integers(1, 140)), 32
+        s = _scores_with_edges(rng, rows, nb + 3)
+        s[s == np.inf] = 3.0  # +inf scores give NaN weights in both; kept out of the sums
+        m = (rng.standard_normal(rows) * 6).astype(np.float32)
+        m[0] = -np.inf  # a fresh row
+        denom = rng.random(rows).astype(np.float32) * 5
+        acc = rng.standard_normal((rows, dim)).astype(np.float32)
+        want = [a.astype(np.float64) for a in (s, m, denom, acc)]
+        _softmax_step_f64(want[0], nb, *want[1:])
+        got = [a.copy() for a in (s, m, denom, acc)]
+        cpu_attention._online_softmax(got[0], nb, *got[1:])
+        for name, g, w in zip(("weights", "m", "denom", "acc"), got, want, strict=True):
+            if name == "weights":
+                g, w = g[:, :nb], w[:, :nb]
+            np.testing.assert_allclose(g, w, rtol=3e-6, atol=1e-30, equal_nan=True, err_msg=name)
+        np.testing.assert_array_equal(got[0][:, nb:], s[:, nb:])  # past the block: untouched

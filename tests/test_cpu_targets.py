@@ -5,7 +5,9 @@ widening must hold on every x86-64 target, not only the AVX-512 one they were tu
 A target without F16C (``NUMBA_CPU_NAME=generic``, what portable caches use) once aborted
 the process at the first float16 cache: LLVM lowered ``fpext half`` to a call Numba's JIT
 cannot resolve. The integer conversion that replaces it there is tested here in process,
-for every pattern, and the whole attention in a subprocess per target."""
+for every pattern, and the whole attention (and the softmax's vector maximum, which the
+attention's output cannot show: any maximum gives the same weights up to rounding) in a
+subprocess per target."""
 
 from __future__ import annotations
 
@@ -120,7 +122,24 @@ _SCRIPT = textwrap.dedent(
     assert np.array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
     assert np.isnan(got[~ok]).all()
 
+    from nbkv.kernels.cpu_vector import row_max
+
+    @njit
+    def maximum(s, r, nb):
+        return row_max(s, r, nb)
+
     rng = np.random.default_rng(0)
+    s = (rng.standard_normal((3, 131)) * 4).astype(np.float32)
+    s[rng.random(s.shape) < 0.1] = np.nan  # never taken
+    s[1, 77] = np.float32(1e30)
+    s[2] = -np.inf
+    for nb in range(132):  # the vectors (4 x the target's lanes) and the tail
+        for r in range(3):
+            best = -np.inf
+            for x in s[r, :nb]:
+                best = x if x > best else best
+            assert maximum(s, r, nb) == best, (nb, r)
+
     for dtype in ("float32", "float16", "bfloat16"):
         for dim, n_q, seq in ((128, 1, 300), (64, 5, 77), (40, 3, 50)):
             cache = nbkv.LayerKVCache(512, batch=2, num_kv_heads=2, head_dim=dim, dtype=dtype)

@@ -23,6 +23,7 @@ from .cpu import write_kv, write_kv_bshd
 from .cpu_loops import accumulate_4x8, scores_4x4, value_of
 from .cpu_math import exp32, kind16, prefetch_ahead, widen16
 from .cpu_simd import accumulate_rows, score_tile, tile_ok
+from .cpu_vector import row_max
 
 __all__ = ["attend", "attend_serial", "attend_bshd", "append_attend", "append_attend_bshd"]
 
@@ -258,17 +259,16 @@ def _online_softmax(s, nb, m, denom, acc):
     four (``acc`` only by the rescaling; the weighted V rows are the caller's to add).
 
     The loops over the block are branch-free and keep their sums in locals, so that they
-    vectorise: the maximum by a select, the weights by :func:`_exp` (a float32 ``exp``
-    that vectorises; ``np.exp`` stays a scalar libm call here). Elements are indexed in
+    vectorise: the maximum by :func:`nbkv.kernels.cpu_vector.row_max` (vectors of partial
+    maxima; the loop vectoriser leaves a maximum by select scalar without ``nnan``, which
+    NaN scores forbid), the weights by :func:`_exp` (a float32 ``exp`` that vectorises;
+    ``np.exp`` stays a scalar libm call here). Elements are indexed in
     two dimensions, never through row views: a view costs a reference count taken and
     dropped, two atomic operations per row per block (a fifth of this function's time).
     """
     dim = acc.shape[1]
     for r in range(s.shape[0]):
-        block_max = s.dtype.type(-np.inf)
-        for j in range(nb):
-            x = s[r, j]
-            block_max = x if x > block_max else block_max  # a NaN is never taken: seen below
+        block_max = row_max(s, r, nb)  # a NaN is never taken: seen below
         if block_max == -np.inf:  # nothing finite in this row of the block
             poisoned = False
             for j in range(nb):
@@ -278,19 +278,22 @@ def _online_softmax(s, nb, m, denom, acc):
                 m[r] = np.nan
                 denom[r] = np.nan
             continue
-        m_new = max(m[r], block_max)
-        # rescale what was accumulated under the old maximum (exp(-inf) = 0)
-        correction = _exp(m[r] - m_new)
-        if correction != 1.0:
-            for d in range(dim):
-                acc[r, d] *= correction
-        m[r] = m_new
+        if block_max > m[r]:  # (never for a NaN m: the row's output is NaN already)
+            # rescale what was accumulated under the old maximum (exp(-inf) = 0); most
+            # blocks of a long walk do not raise it, and skip this scalar exp
+            correction = _exp(m[r] - block_max)
+            if correction != 1.0:
+                for d in range(dim):
+                    acc[r, d] *= correction
+            denom[r] *= correction
+            m[r] = block_max
+        m_new = m[r]
         total = s.dtype.type(0.0)
         for j in range(nb):
             w = _exp(s[r, j] - m_new)  # NaN scores give NaN weights: NaN output
             s[r, j] = w
             total += w
-        denom[r] = denom[r] * correction + total
+        denom[r] += total
 
 
 @njit(cache=True, fastmath=_config.FASTMATH)

@@ -23,7 +23,8 @@ bfloat16 by a 16-bit shift.
 
 The summation order differs from the scalar loop's (lanes first, then the vectors), so
 scores agree with it to float32 rounding, not bit for bit; the attention tests hold both
-to the float64 reference.
+to the float64 reference. The building blocks (vector loads that widen, row pointers, the
+lanes per target) are :mod:`nbkv.kernels.cpu_vector`'s.
 """
 
 from __future__ import annotations
@@ -35,11 +36,22 @@ from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
-from .cpu_math import half_to_float_ir, prefetch_ir, target_features
+from .cpu_math import prefetch_ir
+from .cpu_vector import (
+    LANES,
+    fma,
+    load_lanes,
+    row_pointer,
+    shuffle_mask,
+    splat,
+    stored_type,
+    tile_lanes,
+    typed_2d,
+)
 
+# LANES and tile_lanes are cpu_vector's, named here too (where they were first)
 __all__ = ["LANES", "accumulate_rows", "score_tile", "tile_lanes", "tile_ok"]
 
-LANES = 16  # float32 lanes per vector
 _TILE = 4  # query rows, and K rows, per tile
 
 
@@ -57,63 +69,19 @@ def _reduce_across(builder, vecs, lanes=LANES):
                     base = src + k * w
                     low.extend(range(base, base + w // 2))
                     high.extend(range(base + w // 2, base + w))
-            lo = builder.shuffle_vector(a, b, _mask(low))
-            hi = builder.shuffle_vector(a, b, _mask(high))
+            lo = builder.shuffle_vector(a, b, shuffle_mask(low))
+            hi = builder.shuffle_vector(a, b, shuffle_mask(high))
             nxt.append((builder.fadd(lo, hi), 2 * n))
         level = nxt
     return level[0][0]
 
 
-def _mask(lanes):
-    """A shufflevector mask: the lanes picked, in order (0..15 first operand, 16..31 second)."""
-    return ir.Constant(ir.VectorType(ir.IntType(32), len(lanes)), lanes)
-
-
-def _row_pointer(context, builder, aty, ary, row, col):
-    """An ``i8*`` to ``ary[row, col]`` (a 2-D array), from its data pointer and strides."""
-    strides = cgutils.unpack_tuple(builder, ary.strides)
-    i8p = ir.IntType(8).as_pointer()
-    base = builder.bitcast(ary.data, i8p)
-    off = builder.add(
-        builder.mul(row, strides[0]),
-        builder.mul(col, context.get_constant(types.intp, aty.dtype.bitwidth // 8)),
-    )
-    return builder.gep(base, [off])
-
-
-def _load(builder, ptr, fmt, lanes=LANES):
-    """``lanes`` elements at ``ptr`` (``i8*``) as ``<lanes x float>``; ``fmt``: "f32",
-    "f16", "bf16", or "u8" (8-bit codes, their integer values)."""
-    f32v = ir.VectorType(ir.FloatType(), lanes)
-    if fmt == "f32":
-        return builder.load(builder.bitcast(ptr, f32v.as_pointer()), align=4)
-    if fmt == "u8":
-        i8v = ir.VectorType(ir.IntType(8), lanes)
-        return builder.uitofp(builder.load(builder.bitcast(ptr, i8v.as_pointer()), align=1), f32v)
-    i16v = ir.VectorType(ir.IntType(16), lanes)
-    bits = builder.load(builder.bitcast(ptr, i16v.as_pointer()), align=2)
-    if fmt == "f16":
-        return half_to_float_ir(builder, bits)  # fpext where the CPU converts float16
-    i32v = ir.VectorType(ir.IntType(32), lanes)
-    wide = builder.shl(builder.zext(bits, i32v), ir.Constant(i32v, 16))
-    return builder.bitcast(wide, f32v)
-
-
-def _typed(*pairs):
-    """Whether every (numba type, dtype) pair is a 2-D array of that dtype."""
-    return all(isinstance(t, types.Array) and t.ndim == 2 and t.dtype == d for t, d in pairs)
-
-
-def _kdtype(fmt):
-    return {"f32": types.float32, "u8": types.uint8}.get(fmt, types.uint16)
-
-
 def _make_tile(fmt):
-    """The tile intrinsic for K rows stored as ``fmt`` (see :func:`_load`)."""
+    """The tile intrinsic for K rows stored as ``fmt`` (see :func:`load_lanes`)."""
 
     @intrinsic
     def tile(typingctx, qs, r, kb, j, s, col):
-        if not _typed((qs, types.float32), (kb, _kdtype(fmt)), (s, types.float32)):
+        if not typed_2d((qs, types.float32), (kb, stored_type(fmt)), (s, types.float32)):
             return None
 
         def codegen(context, builder, signature, args):
@@ -139,17 +107,17 @@ def _tile_codegen(fmt, context, builder, signature, args):
     j0 = context.cast(builder, args[3], jty, types.intp)
     c0 = context.cast(builder, args[5], cty, types.intp)
     dim = cgutils.unpack_tuple(builder, qa.shape)[1]
-    ksize = _kdtype(fmt).bitwidth // 8
+    ksize = stored_type(fmt).bitwidth // 8
     lanes = tile_lanes()
     cols = lanes // _TILE  # K rows per group: rows x cols vectors, reduced to one
     qrows = [
-        _row_pointer(context, builder, qty, qa, builder.add(r0, intp(i)), intp(0))
+        row_pointer(context, builder, qty, qa, builder.add(r0, intp(i)), intp(0))
         for i in range(_TILE)
     ]
     f32v = ir.VectorType(ir.FloatType(), lanes)
     for k0 in range(0, _TILE, cols):
         krows = [
-            _row_pointer(context, builder, kty, ka, builder.add(j0, intp(k0 + k)), intp(0))
+            row_pointer(context, builder, kty, ka, builder.add(j0, intp(k0 + k)), intp(0))
             for k in range(cols)
         ]
         entry = builder.basic_block
@@ -161,13 +129,15 @@ def _tile_codegen(fmt, context, builder, signature, args):
         d = builder.phi(intp)
         accs = [builder.phi(f32v) for _ in range(_TILE * cols)]
         qv = [
-            _load(builder, builder.gep(p, [builder.mul(d, intp(4))]), "f32", lanes) for p in qrows
+            load_lanes(builder, builder.gep(p, [builder.mul(d, intp(4))]), "f32", lanes)
+            for p in qrows
         ]
         kv = [
-            _load(builder, builder.gep(p, [builder.mul(d, intp(ksize))]), fmt, lanes) for p in krows
+            load_lanes(builder, builder.gep(p, [builder.mul(d, intp(ksize))]), fmt, lanes)
+            for p in krows
         ]
         new = [
-            _fma(builder, qv[i], kv[k], accs[i * cols + k])
+            fma(builder, qv[i], kv[k], accs[i * cols + k])
             for i in range(_TILE)
             for k in range(cols)
         ]
@@ -182,7 +152,7 @@ def _tile_codegen(fmt, context, builder, signature, args):
         sums = _reduce_across(builder, new, lanes)  # lane i * cols + k: row i . K row k0 + k
         for i in range(_TILE):
             for k in range(cols):
-                ptr = _row_pointer(
+                ptr = row_pointer(
                     context,
                     builder,
                     sty,
@@ -192,27 +162,6 @@ def _tile_codegen(fmt, context, builder, signature, args):
                 )
                 value = builder.extract_element(sums, ir.IntType(32)(i * cols + k))
                 builder.store(value, builder.bitcast(ptr, ir.FloatType().as_pointer()))
-
-
-def tile_lanes() -> int:
-    """float32 lanes per vector in :func:`score_tile` for the CPU Numba compiles for: 16
-    with AVX-512 (32 registers of 16), 8 with AVX (16 registers of 8), 4 otherwise (SSE,
-    NEON). A group of K rows takes ``lanes // 4`` of them, so that the 4 x ``lanes // 4``
-    accumulators reduce to one vector and fit the registers: 16 accumulators of 16 lanes
-    on AVX2 spilled, 1.9x slower than the plain loop."""
-    features = target_features()
-    if "+avx512f" in features:
-        return 16
-    return 8 if "+avx" in features else 4
-
-
-def _fma(builder, x, y, acc):
-    """``acc + x * y``, contractible into one fused multiply-add."""
-    prod = builder.fmul(x, y)
-    prod.flags.append("contract")
-    total = builder.fadd(acc, prod)
-    total.flags.append("contract")
-    return total
 
 
 _tile_f32 = _make_tile("f32")
@@ -286,13 +235,6 @@ def _tile_ok_impl(qs, kb):
     return lambda qs, kb: _shapes_ok(qs, kb)
 
 
-def _splat(builder, x, lanes):
-    """A float broadcast to every lane of a ``<lanes x float>``."""
-    f32v = ir.VectorType(ir.FloatType(), lanes)
-    one = builder.insert_element(ir.Constant(f32v, None), x, ir.IntType(32)(0))
-    return builder.shuffle_vector(one, ir.Constant(f32v, None), _mask([0] * lanes))
-
-
 def _make_accumulate(fmt, chunks):
     """The accumulate intrinsic for V rows stored as ``fmt``, ``chunks`` x 16 elements of
     head_dim per pass (4: head_dim a multiple of 64; 1: of 16). Narrower targets
@@ -301,7 +243,7 @@ def _make_accumulate(fmt, chunks):
 
     @intrinsic
     def accumulate(typingctx, s, r, vb, nb, acc, c0, ahead):
-        if not _typed((s, types.float32), (vb, _kdtype(fmt)), (acc, types.float32)):
+        if not typed_2d((s, types.float32), (vb, stored_type(fmt)), (acc, types.float32)):
             return None
 
         def codegen(context, builder, signature, args):
@@ -353,7 +295,7 @@ def _accumulate_loops(g, with_prefetch):
     block's positions with the pass's accumulators in registers; ends in ``g.done``."""
     context, builder, intp, chunks, lanes = g.context, g.builder, g.intp, g.chunks, g.lanes
     (sty, vty, aty), (sa, va, aa) = g.tys, g.arrays
-    vsize = _kdtype(g.fmt).bitwidth // 8
+    vsize = stored_type(g.fmt).bitwidth // 8
     dim = cgutils.unpack_tuple(builder, aa.shape)[1]
     vstride = cgutils.unpack_tuple(builder, va.strides)[0]
     f32v = ir.VectorType(ir.FloatType(), lanes)
@@ -366,34 +308,34 @@ def _accumulate_loops(g, with_prefetch):
     d = builder.phi(intp)  # the pass's first element of head_dim
     aptr = [
         [
-            _row_pointer(context, builder, aty, aa, row, builder.add(d, intp(lanes * c)))
+            row_pointer(context, builder, aty, aa, row, builder.add(d, intp(lanes * c)))
             for c in range(chunks)
         ]
         for row in g.rows
     ]
-    start = [[_load(builder, p, "f32", lanes) for p in ptrs] for ptrs in aptr]
+    start = [[load_lanes(builder, p, "f32", lanes) for p in ptrs] for ptrs in aptr]
     builder.branch(inner)
     builder.position_at_end(inner)
     j = builder.phi(intp)  # the position
     sums = [[builder.phi(f32v) for _ in range(chunks)] for _ in g.rows]
-    vrow = _row_pointer(context, builder, vty, va, j, d)
+    vrow = row_pointer(context, builder, vty, va, j, d)
     if with_prefetch:  # this pass's lines of row j + ahead
         far = builder.gep(vrow, [builder.mul(g.ahead, vstride)])
         for line in range(0, lanes * chunks * vsize, 64):
             prefetch_ir(builder, builder.gep(far, [intp(line)]))
     v = [
-        _load(builder, builder.gep(vrow, [intp(lanes * c * vsize)]), g.fmt, lanes)
+        load_lanes(builder, builder.gep(vrow, [intp(lanes * c * vsize)]), g.fmt, lanes)
         for c in range(chunks)
     ]
     new = []
     for i, row in enumerate(g.rows):
-        wptr = _row_pointer(context, builder, sty, sa, row, builder.add(g.c0, j))
-        w = _splat(
+        wptr = row_pointer(context, builder, sty, sa, row, builder.add(g.c0, j))
+        w = splat(
             builder,
             builder.load(builder.bitcast(wptr, ir.FloatType().as_pointer()), align=4),
             lanes,
         )
-        new.append([_fma(builder, w, v[c], sums[i][c]) for c in range(chunks)])
+        new.append([fma(builder, w, v[c], sums[i][c]) for c in range(chunks)])
     j_next = builder.add(j, intp(1))
     builder.cbranch(builder.icmp_signed("<", j_next, g.n), inner, tail)
     j.add_incoming(intp(0), outer)
