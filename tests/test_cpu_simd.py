@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from numba import njit
 from numba.core import config
+from numba.core import types as numba_types
 
 from nbkv.dtypes import kernel_dtype, resolve_dtype, widen_table
 from nbkv.kernels import cpu_attention
@@ -185,29 +186,59 @@ def test_block_functions_agree_with_the_plain_loops_they_replace(name, seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_row_max_is_the_plain_loops_maximum_at_every_length(seed):
     # the vector path takes multiples of 4 x tile_lanes() scores and the loop the rest:
-    # every length from 0 to 200 crosses both, with NaN (never taken) and infinities
+    # every length from 0 to 200 crosses both, with NaN (never taken) and infinities; a
+    # zero maximum may differ in sign only (the loop keeps the first of +0.0 and -0.0)
     rng = np.random.default_rng(200 + seed)
     s = _scores_with_edges(rng, 8, 203)
     s[2, 100] = np.float32(1e30)  # one lane's maximum, past the first vectors
-    for nb in range(0, 201):
+    for nb in range(-2, 201):
         for r in range(8):
-            want = _scalar_max(s[r, :nb])
-            got = _max(s, r, nb)
-            assert got == want or (np.isinf(want) and got == want), (nb, r, got, want)
-            assert not np.isnan(got)
-    # the loop alone (strided rows, float64) gives the same
+            want = _scalar_max(s[r, :nb]) if nb > 0 else -np.inf
+            assert _max(s, r, nb) == want, (nb, r, _max(s, r, nb), want)
+    # the loop alone (strided columns, float64) gives the same; rows of another stride
+    # (every other row, a view from column 3) take the vectors
     strided = np.zeros((8, 406), np.float32)
     strided[:, ::2] = s
+    wide = np.zeros((16, 206), np.float32)
+    wide[::2, 3:] = s
     for nb in (0, 1, 63, 64, 65, 200):
         for r in range(8):
             want = _scalar_max(s[r, :nb])
             assert _max(strided[:, ::2], r, nb) == want
             assert _max(s.astype(np.float64), r, nb) == want
+            assert _max(wide[::2, 3:], r, nb) == want
+
+
+def test_row_max_takes_the_vector_path_where_it_applies():
+    # a row_max that always fell back to the loop would pass the test above: the IR of a
+    # float32 row compares whole vectors, that of a float64 row does not
+    # (float64 rows are the loop's alone)
+    _max(np.zeros((2, 64), np.float32), 0, 64)
+    _max(np.zeros((2, 64), np.float64), 0, 64)
+    vector = f"fcmp ogt <{tile_lanes()} x float>"
+    seen = set()
+    for sig in _max.signatures:
+        dtype = sig[0].dtype
+        seen.add(str(dtype))
+        assert (vector in _max.inspect_llvm(sig)) == (dtype == numba_types.float32), sig
+    assert {"float32", "float64"} <= seen
+    # and at run time: the one result that tells them apart is a zero maximum's sign. +0.0
+    # in lane 1 of the first vector and -0.0 in lane 0 of the second: the loop keeps the
+    # first it meets (+0.0); the vectors fold lane by lane, then lane 1 into lane 0, where
+    # +0.0 > -0.0 is false (-0.0). Pinned to that fold order on purpose
+    lanes = tile_lanes()
+    row = np.full((1, 8 * lanes), -1.0, np.float32)
+    row[0, 1], row[0, lanes] = 0.0, -0.0
+    strided = np.zeros((1, 16 * lanes), np.float32)
+    strided[:, ::2] = row
+    assert _max(row, 0, row.shape[1]) == 0.0 and np.signbit(_max(row, 0, row.shape[1]))
+    assert not np.signbit(_max(strided[:, ::2], 0, row.shape[1]))  # the loop
 
 
 def _softmax_step_f64(s, nb, m, denom, acc):
     """The online softmax step in float64, as nbkv.kernels.cpu_attention._online_softmax
-    documents it."""
+    documents it: a block that raises a row's maximum rescales ``acc`` and ``denom`` by
+    ``exp(m - m_new)``; one that does not (a NaN maximum included) leaves them."""
     for r in range(s.shape[0]):
         x = s[r, :nb]
         block_max = _scalar_max(x)
@@ -217,27 +248,34 @@ def _softmax_step_f64(s, nb, m, denom, acc):
             if poisoned:
                 m[r] = denom[r] = np.nan
             continue
-        m_new = max(m[r], block_max) if not np.isnan(m[r]) else m[r]
-        correction = np.exp(m[r] - m_new)
-        acc[r] *= correction
-        w = np.exp(x - m_new)
+        if block_max > m[r]:
+            correction = np.exp(m[r] - block_max)
+            acc[r] *= correction
+            denom[r] *= correction
+            m[r] = block_max
+        with np.errstate(invalid="ignore"):  # inf - inf: a NaN weight, as in the kernel
+            w = np.exp(x - m[r])
         s[r, :nb] = w
-        denom[r] = denom[r] * correction + w.sum()
-        m[r] = m_new
+        denom[r] += w.sum()
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_online_softmax_step_matches_its_float64_arithmetic(seed):
-    # a running state that the block raises (rescaled), leaves (the rescaling skipped),
-    # or meets with nothing finite (masked) or with NaN (poisoned), over block lengths
-    # the vector maximum and its tail both see
+    # a running state that the block raises (rescaled; from -inf: acc zeroed), leaves
+    # (the rescaling skipped), or meets with nothing finite (masked) or with NaN
+    # (poisoned); running maxima of NaN and +inf; +inf scores; over block lengths the
+    # vector maximum and its tail both see
     rng = np.random.default_rng(300 + seed)
     for _ in range(12):
-        rows, nb, dim = int(rng.integers(2, 10)), int(rng.integers(1, 140)), 32
-        s = _scores_with_edges(rng, rows, nb + 3)
-        s[s == np.inf] = 3.0  # +inf scores give NaN weights in both; kept out of the sums
+        rows, nb, dim = int(rng.integers(6, 12)), int(rng.integers(1, 140)), 32
+        s = _scores_with_edges(rng, rows, nb + 3)  # rows 0, 1: all -inf, all NaN
         m = (rng.standard_normal(rows) * 6).astype(np.float32)
-        m[0] = -np.inf  # a fresh row
+        m[2] = -np.inf  # a fresh row that the block raises: acc * exp(-inf) = 0
+        s[2, :nb] = np.where(np.isinf(s[2, :nb]), 1.0, s[2, :nb])
+        m[3] = np.nan  # a poisoned running state
+        m[4] = np.inf  # a running maximum of +inf (after a +inf score)
+        m[5] = 100.0  # above every score of the block: the rescaling skipped
+        s[5, :nb] = np.where(s[5, :nb] == np.inf, 1.0, s[5, :nb])
         denom = rng.random(rows).astype(np.float32) * 5
         acc = rng.standard_normal((rows, dim)).astype(np.float32)
         want = [a.astype(np.float64) for a in (s, m, denom, acc)]
@@ -249,3 +287,5 @@ def test_online_softmax_step_matches_its_float64_arithmetic(seed):
                 g, w = g[:, :nb], w[:, :nb]
             np.testing.assert_allclose(g, w, rtol=3e-6, atol=1e-30, equal_nan=True, err_msg=name)
         np.testing.assert_array_equal(got[0][:, nb:], s[:, nb:])  # past the block: untouched
+        assert np.all(got[3][2] == 0.0)  # the fresh row's old acc is gone
+        np.testing.assert_array_equal(got[3][5], acc[5])  # not raised: acc as it was

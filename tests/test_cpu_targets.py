@@ -130,7 +130,9 @@ _SCRIPT = textwrap.dedent(
 
     rng = np.random.default_rng(0)
     s = (rng.standard_normal((3, 131)) * 4).astype(np.float32)
-    s[rng.random(s.shape) < 0.1] = np.nan  # never taken
+    for value in (np.nan, np.inf, -np.inf, 0.0, -0.0):  # NaN never taken; a zero's sign free
+        s[rng.random(s.shape) < 0.03] = value
+    s[0, 50:] = -np.inf
     s[1, 77] = np.float32(1e30)
     s[2] = -np.inf
     for nb in range(132):  # the vectors (4 x the target's lanes) and the tail

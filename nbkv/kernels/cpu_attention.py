@@ -278,7 +278,7 @@ def _online_softmax(s, nb, m, denom, acc):
                 m[r] = np.nan
                 denom[r] = np.nan
             continue
-        if block_max > m[r]:  # (never for a NaN m: the row's output is NaN already)
+        if block_max > m[r]:  # never for a NaN m: acc is left, the NaN weights poison it
             # rescale what was accumulated under the old maximum (exp(-inf) = 0); most
             # blocks of a long walk do not raise it, and skip this scalar exp
             correction = _exp(m[r] - block_max)

@@ -178,7 +178,7 @@ def score_tile(qs, r, kb, j, s, col, kind):
     qs: float32 [rows, head_dim] (queries); kb: [positions, head_dim] float32, uint16
     bits of float16 (``kind`` 0) or bfloat16 (``kind`` 1), or uint8 codes (their integer
     values: the quantized kernels fold scale and zero point around them); s: float32
-    scores. Only where
+    scores, rows of unit stride (the kernels' own buffers: not checked). Only where
     :func:`tile_ok` holds: head_dim a multiple of 16, both rows unit-stride. Mutates ``s``.
     By the overload."""
     raise NotImplementedError  # pragma: no cover - only called from compiled code

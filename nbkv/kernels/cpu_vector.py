@@ -2,10 +2,12 @@
 (:mod:`nbkv.kernels.cpu_simd`'s tiles), and the row maximum of the online softmax.
 
 The blocks: how many float32 lanes a vector has on the CPU Numba compiles for
-(:func:`tile_lanes`), a pointer to an element of a 2-D array (:func:`row_pointer`), a
-vector load that widens 16-bit floats and 8-bit codes (:func:`load_lanes`), a
-contractible multiply-add (:func:`fma`), a broadcast (:func:`splat`), a shuffle mask
-(:func:`shuffle_mask`), a lane-wise maximum that never takes a NaN (:func:`greater`).
+(:func:`tile_lanes`; :data:`LANES` is AVX-512's 16), a pointer to an element of a 2-D array
+(:func:`row_pointer`), a vector load that widens 16-bit floats and 8-bit codes
+(:func:`load_lanes`, and :func:`stored_type`, the dtype of what it loads), a contractible
+multiply-add (:func:`fma`), a broadcast (:func:`splat`), a shuffle mask
+(:func:`shuffle_mask`), a lane-wise maximum that never takes a NaN (:func:`greater`), and
+:func:`typed_2d`, whether Numba types are 2-D arrays of given dtypes.
 
 :func:`row_max` is the largest score of a row of a block: the loop vectoriser leaves a
 maximum by select (``best = x if x > best else best``) scalar unless it may assume no NaN
@@ -88,8 +90,8 @@ def stored_type(fmt):
 
 
 def tile_lanes() -> int:
-    """float32 lanes per vector in the vector-IR kernels
-    (:func:`nbkv.kernels.cpu_simd.score_tile` and the others) for the CPU Numba compiles for: 16
+    """float32 lanes per vector in the vector-IR kernels (:func:`row_max`,
+    :func:`nbkv.kernels.cpu_simd.score_tile` and the others) for the CPU Numba compiles for: 16
     with AVX-512 (32 registers of 16), 8 with AVX (16 registers of 8), 4 otherwise (SSE,
     NEON). A group of K rows takes ``lanes // 4`` of them, so that the 4 x ``lanes // 4``
     accumulators reduce to one vector and fit the registers: 16 accumulators of 16 lanes
@@ -187,8 +189,10 @@ def greater(builder, x, best):
 
 
 def row_max(s, r, nb):
-    """The largest of ``s[r, :nb]`` (``-inf`` for none), a NaN never taken, as the scalar
-    loop ``best = x if x > best else best`` gives it: float32 unit-stride rows by vectors
+    """The largest of ``s[r, :nb]`` (``-inf`` for none, or ``nb`` <= 0), a NaN never taken,
+    as the scalar loop ``best = x if x > best else best`` gives it (up to the sign of a zero
+    maximum: the loop keeps the first of +0.0 and -0.0, the vectors may keep either; both
+    give the same weights ``exp(s - max)``): float32 rows of unit stride by vectors
     of partial maxima (:data:`_MAX_CHAINS` of :func:`tile_lanes` lanes), the positions
     past their last whole multiple one by one; other arrays by that loop. By the
     overload."""
@@ -213,7 +217,8 @@ def _row_max_impl(s, r, nb):
     def vectors(s, r, nb):
         if s.strides[1] != 4:
             return _max_from(s, r, nb, 0, np.float32(-np.inf))
-        n = nb - nb % step
+        n = max(nb, 0)
+        n -= n % step  # the vectors' share; nb <= 0: none, and -inf
         return _max_from(s, r, nb, n, _max_prefix(s, r, n))
 
     return vectors
