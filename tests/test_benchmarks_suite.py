@@ -526,3 +526,54 @@ def test_bench_phases_fma_loop_runs_every_chain_n_rounds():
         results[n] = bp._fma_run(n)
         assert results[n] == want, n
     assert results[0] < results[1] < results[5] < results[1000]
+
+
+def _bench_prefetch():
+    _bench_attention()  # puts benchmarks/ on sys.path
+    import bench_prefetch
+
+    return bench_prefetch
+
+
+def test_bench_prefetch_main_checks_and_reports_every_contender(tmp_path, monkeypatch):
+    bp = _bench_prefetch()
+    out = tmp_path / "pf.json"
+    monkeypatch.setattr(sys, "argv", ["bench_prefetch", "--quick", "--json", str(out)])
+    bp.main()
+    data = json.loads(out.read_text())
+    assert list(data["results"]) == [*bp.SUMS, bp.KERNEL]
+    assert data["config"]["block"] == bp.ca._block_size(bp.GROUP, -1, bp.DIM * 4)
+    assert data["max_error"][bp.KERNEL] <= bp.ATOL
+    assert all(data["max_error"][n] <= bp.SUM_RTOL for n in bp.SUMS)
+    for name, r in data["results"].items():
+        assert r["ms"] > 0 and r["paired_rounds"] == data["config"]["rounds"], name
+    assert data["results"][bp.READ]["pct_of_read_paired"] == pytest.approx(100.0)
+
+
+@pytest.mark.parametrize("ahead, every", [(0, 1), (64, 1), (64, 8), (-3, 1)])
+@pytest.mark.parametrize("block", [1, 64, 100, 1000])
+def test_bench_prefetch_reads_every_row_once(block, ahead, every):
+    # integers, so that the float32 sums are exact: a row read twice or not at all shows
+    bp = _bench_prefetch()
+    rng = np.random.default_rng(block)
+    k = rng.integers(-8, 9, size=(2, 3, 999, 16)).astype(np.float32)
+    v = rng.integers(-8, 9, size=(2, 3, 999, 16)).astype(np.float32)
+    want = float(k.sum(dtype=np.float64) + v.sum(dtype=np.float64))
+    assert float(bp.read_blocks(k, v, block, ahead, every)) == want
+    assert float(bp.read_blocks(k, v * 0, block, ahead, every)) == float(k.sum(dtype=np.float64))
+
+
+def test_bench_prefetch_check_fails_when_a_contender_is_wrong():
+    bp = _bench_prefetch()
+    rng = np.random.default_rng(4)
+    shape = (1, bp.KV_HEADS, 256, bp.DIM)
+    k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((1, bp.HEADS, 1, bp.DIM), dtype=np.float32)
+    methods = bp.contenders(q, np.empty_like(q), 64)
+    bp.check(methods, q, k, v)  # right as built
+    skips = dict(methods, **{bp.PAGES: lambda k, v: bp.read_blocks(k[:, :, 1:], v, 64, 0, 1)})
+    with pytest.raises(AssertionError, match="blocks \\+ page prefetch: sum"):
+        bp.check(skips, q, k, v)
+    wrong = dict(methods, **{bp.KERNEL: lambda k, v: methods[bp.KERNEL](k, v) + 1e-3})
+    with pytest.raises(AssertionError, match="nbkv kernel: .* off float64"):
+        bp.check(wrong, q, k, v)
