@@ -4,7 +4,8 @@ kernel, each timed alone, against the floor that its vector multiply-adds set.
 A decode step walks the cache in blocks. Per block and KV head the kernel
 (``nbkv.kernels.cpu_attention``) scores the block's K rows against the group's query rows
 (``_scores``), turns the scores into weights (``_online_softmax``) and adds the weighted V
-rows into the accumulators (``_accumulate``). This script times each of the three alone,
+rows into the accumulators (``_accumulate_block``: ``_accumulate`` over the block, or in
+pieces of 64 positions for 16-bit V). This script times each of the three alone,
 on one thread, over K/V that stay in the CPU's caches (1,024 positions: 512 KiB of float32
 K, half that at 16 bits), so that memory is out of the figure. It does this for float32,
 float16 and bfloat16 caches, with the block size the kernel takes for each. The figure is
@@ -170,7 +171,7 @@ def _run_softmax(s, m, denom, acc, block, positions, reps):
 def _run_accumulate(s, vb, acc, block, kind, reps):
     for _ in range(reps):
         for j0 in range(0, vb.shape[0], block):
-            ca._accumulate(s, vb[j0 : j0 + block], acc, 0, kind, ca._AHEAD)
+            ca._accumulate_block(s, vb[j0 : j0 + block], acc, kind, ca._AHEAD)
 
 
 @njit
@@ -186,7 +187,7 @@ def _compose(qs, kb, vb, block, kind, out):
         j1 = min(j0 + block, kb.shape[0])
         ca._scores(qs, kb[j0:j1], s, 0, kind, ca._AHEAD)
         ca._online_softmax(s, j1 - j0, m, denom, acc)
-        ca._accumulate(s, vb[j0:j1], acc, 0, kind, ca._AHEAD)
+        ca._accumulate_block(s, vb[j0:j1], acc, kind, ca._AHEAD)
     for r in range(rows):
         out[r] = acc[r] / denom[r]
 
@@ -226,7 +227,7 @@ def check(dtype: str, rng) -> float:
     :data:`TOLERANCE`."""
     qs, kb, vb, kf, vf, table = _data(dtype, rng)
     kind = KINDS[dtype]
-    block = ca._block_size(GROUP, kind, DIM * kb.itemsize)
+    block = ca._block_size(GROUP, DIM * kb.itemsize)
     got = np.empty((GROUP, DIM), np.float32)
     _compose(qs, kb, vb, block, kind, got)
     want = reference.attention(
@@ -274,7 +275,7 @@ def measure(dtype: str, reps: int, rng) -> dict:
     """ns per position per KV head for each phase and the whole task, best of five."""
     qs, kb, vb, kf, vf, table = _data(dtype, rng)
     kind = KINDS[dtype]
-    block = ca._block_size(GROUP, kind, DIM * kb.itemsize)
+    block = ca._block_size(GROUP, DIM * kb.itemsize)
     assert POSITIONS % block == 0, (POSITIONS, block)  # the wrappers walk whole blocks
     s = np.empty((GROUP, block), np.float32)
     m = np.full(GROUP, -np.inf, np.float32)

@@ -212,7 +212,7 @@ def main() -> None:
     n_copies = max(2, -(-COLD_BYTES // nbytes) + 1)
     q = rng.standard_normal((1, HEADS, 1, DIM), dtype=np.float32)
     out = np.empty_like(q)
-    block = int(ca._block_size(GROUP, -1, DIM * 4))
+    block = int(ca._block_size(GROUP, DIM * 4))
     copies = [
         (rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32))
         for _ in range(n_copies)

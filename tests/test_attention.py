@@ -82,21 +82,22 @@ def test_parallel_and_serial_cpu_kernels_match_the_reference(
 
 
 @cpu_only
-def test_a_few_rows_over_32_or_64_bit_rows_take_long_blocks():
+def test_a_few_rows_take_long_blocks():
     block = cpu_attention._block_size.py_func
-    assert block(8, -1, 128 * 4) == 512  # a decode step at group 8, float32, head_dim 128
-    assert block(4, -1, 128 * 8) == 256  # float64: 256 KiB of rows at the most
-    assert block(4, -1, 24 * 4) == 512  # small rows: 512 at the most
-    assert block(4, -1, 4096 * 4) == 64  # rows too large for two blocks of 64: 64
-    assert block(9, -1, 128 * 4) == 64  # more rows (a prefill chunk)
-    assert block(4, 0, 128 * 2) == block(4, 1, 128 * 2) == 64  # float16, bfloat16
+    assert block(8, 128 * 4) == 512  # a decode step at group 8, float32, head_dim 128
+    assert block(4, 128 * 2) == 512  # float16 or bfloat16 (their V pass goes in pieces)
+    assert block(4, 128 * 8) == 256  # float64: 256 KiB of rows at the most
+    assert block(4, 256 * 4) == 256  # float32 at head_dim 256
+    assert block(4, 24 * 4) == 512  # small rows: 512 at the most
+    assert block(4, 4096 * 4) == 64  # rows too large for two blocks of 64: 64
+    assert block(9, 128 * 4) == 64  # more rows (a prefill chunk)
 
 
 @cpu_only
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
-    dtype=st.sampled_from(["float32", "float64"]),
+    dtype=st.sampled_from(["float32", "float64", "float16", "bfloat16"]),
     group=st.sampled_from([1, 2, 4, 8]),
     n_q=st.integers(1, 8),
     head_dim=st.sampled_from([16, 24, 128]),  # vector IR (1 and 4 passes), plain loops
@@ -107,25 +108,29 @@ def test_a_few_rows_over_32_or_64_bit_rows_take_long_blocks():
 @example(0, "float32", 2, 4, 128, 1025, 600, True)  # masks at a block's edge, both ends
 @example(1, "float32", 1, 8, 16, 1100, 513, False)  # non-causal window past a boundary
 @example(2, "float64", 4, 2, 128, 700, None, True)  # float64 rows: blocks of 256
+@example(3, "float16", 4, 1, 128, 1100, None, True)  # 16-bit: V in pieces, a short last one
+@example(4, "bfloat16", 2, 3, 128, 1537, 700, True)  # 16-bit with a window
 def test_long_blocks_match_the_reference_and_the_64_position_blocks(
     seed, dtype, group, n_q, head_dim, seq_len, window, causal
 ):
-    """A chunk of at most 8 query rows per KV head over 32- or 64-bit K/V (a decode step)
-    walks blocks of up to 512 positions (cpu_attention._block_size), every other chunk
-    blocks of 64. The short chunk against the float64 reference, and against the same
-    queries as the last of a chunk of more than 8 rows (earlier queries before them),
-    which walks blocks of 64: each query's output depends on its position alone."""
+    """A chunk of at most 8 query rows per KV head (a decode step) walks blocks of up to
+    512 positions (cpu_attention._block_size; over 16-bit K/V, the V pass of a block in
+    pieces of 64), every other chunk blocks of 64. The short chunk against the float64
+    reference, and against the same queries as the last of a chunk of more than 8 rows
+    (earlier queries before them), which walks blocks of 64: each query's output depends
+    on its position alone."""
     n_q = max(1, min(n_q, 8 // group, seq_len))
     rng = np.random.default_rng(seed)
-    tol = TOL if dtype == "float32" else 1e-12
+    tol = 1e-12 if dtype == "float64" else TOL
     cache, K, V = make_cache(rng, "bhsd", dtype, 2, head_dim, seq_len, seq_len, batch=1)
-    q = randn(rng, (1, 2 * group, n_q, head_dim), dtype)
+    q_dtype = "float64" if dtype == "float64" else "float32"
+    q = randn(rng, (1, 2 * group, n_q, head_dim), q_dtype)
     got = nbkv.attention(q, cache, causal=causal, window=window)
     want = reference.attention(q, K, V, causal=causal, window=window)
     np.testing.assert_allclose(got, want, rtol=0, atol=tol)
     extra = 8 // group + 1 - n_q  # queries before them: more than 8 rows in all
     if extra + n_q <= seq_len:
-        earlier = randn(rng, (1, 2 * group, extra, head_dim), dtype)
+        earlier = randn(rng, (1, 2 * group, extra, head_dim), q_dtype)
         longer = np.concatenate([earlier, q], axis=2)
         plain = nbkv.attention(longer, cache, causal=causal, window=window)
         np.testing.assert_allclose(got, plain[:, :, extra:], rtol=0, atol=tol)

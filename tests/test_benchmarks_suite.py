@@ -468,12 +468,11 @@ def test_bench_phases_main_checks_and_reports_every_phase(tmp_path, monkeypatch)
     assert set(data["results"]) == set(bp.DTYPES)
     for dtype, r in data["results"].items():
         assert data["max_error"][dtype] <= bp.TOLERANCE
-        kind = bp.KINDS[dtype]
         itemsize = 4 if dtype == "float32" else 2
-        assert r["block"] == bp.ca._block_size(bp.GROUP, kind, bp.DIM * itemsize)
+        assert r["block"] == bp.ca._block_size(bp.GROUP, bp.DIM * itemsize)
         assert all(r[f"{p}_ns"] > 0 for p in bp.PHASES) and r["whole_ns"] > 0
         assert r["phases_ns"] == pytest.approx(sum(r[f"{p}_ns"] for p in bp.PHASES))
-    assert data["results"]["float32"]["block"] > data["results"]["float16"]["block"]
+    assert {r["block"] for r in data["results"].values()} == {bp.ca._LONG_BLOCK}
 
 
 def test_bench_phases_check_fails_when_the_phases_disagree_with_float64(monkeypatch):
@@ -542,7 +541,7 @@ def test_bench_prefetch_main_checks_and_reports_every_contender(tmp_path, monkey
     bp.main()
     data = json.loads(out.read_text())
     assert list(data["results"]) == [*bp.SUMS, bp.KERNEL]
-    assert data["config"]["block"] == bp.ca._block_size(bp.GROUP, -1, bp.DIM * 4)
+    assert data["config"]["block"] == bp.ca._block_size(bp.GROUP, bp.DIM * 4)
     assert data["max_error"][bp.KERNEL] <= bp.ATOL
     assert all(data["max_error"][n] <= bp.SUM_RTOL for n in bp.SUMS)
     for name, r in data["results"].items():

@@ -182,6 +182,30 @@ def test_block_functions_agree_with_the_plain_loops_they_replace(name, seed):
         np.testing.assert_allclose(fast_acc, plain_acc, rtol=2e-5, atol=2e-5 * mag * np.sqrt(nb))
 
 
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("nb", [1, 8, 63, 64, 65, 127, 200, 512])
+def test_a_blocks_v_pass_in_pieces_is_the_whole_pass_bit_for_bit(name, nb):
+    # _accumulate_block takes 16-bit V in pieces of _BLOCK positions (the accumulators
+    # stored and loaded between pieces) and other rows in one call: the same multiply-adds
+    # in the same order as one _accumulate over the block, so the same bits, on the vector
+    # path (unit-stride rows) and on the plain loops (strided rows), prefetching or not.
+    # Five rows: the four-row passes and a row left over; scores wider than the block
+    rng = np.random.default_rng(300 + nb)
+    dim = 128
+    block, _, kind = _stored(rng.standard_normal((nb, dim)).astype(np.float32), name)
+    strided = np.zeros((nb, 2 * dim), block.dtype)
+    strided[:, ::2] = block
+    w = rng.random((5, nb + 3)).astype(np.float32)
+    acc0 = rng.standard_normal((5, dim)).astype(np.float32)
+    for rows in (block, strided[:, ::2]):
+        for ahead in (0, 64):
+            whole, pieces = acc0.copy(), acc0.copy()
+            cpu_attention._accumulate(w, rows, whole, 0, kind, ahead)
+            cpu_attention._accumulate_block(w, rows, pieces, kind, ahead)
+            np.testing.assert_array_equal(pieces, whole)
+    assert not np.array_equal(whole, acc0)  # every row of acc was added to
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_row_max_is_the_plain_loops_maximum_at_every_length(seed):
     # the vector path takes multiples of 4 x tile_lanes() scores and the loop the rest:

@@ -28,20 +28,22 @@ from .cpu_vector import row_max
 __all__ = ["attend", "attend_serial", "attend_bshd", "append_attend", "append_attend_bshd"]
 
 # positions scored per step of the online softmax, for a chunk of more than _FEW_ROWS
-# query rows (a prefill chunk) or a 16-bit cache: a block of K (or V) rows, 32 KiB of
-# float32 at head_dim 128, stays in L1/L2 while every query row of the group uses it
+# query rows (a prefill chunk): a block of K (or V) rows, 32 KiB of float32 at head_dim
+# 128, stays in L1/L2 while every query row of the group uses it. Also the piece of a
+# longer block that a 16-bit cache's V pass takes at a time (_accumulate_block)
 _BLOCK = 64
 # query rows per chunk (group x queries): 128 rows of accumulators at head_dim 128 are
 # 64 KiB, which stay in L2 while the chunk walks the cache
 _CHUNK_ROWS = 128
 # a chunk of at most _FEW_ROWS query rows (a decode step of one token's group, or a short
-# chunk) over 32- or 64-bit K/V walks blocks of up to _LONG_BLOCK positions, _LONG_BYTES of
-# K (and of V) at most: 512 positions of float32 at head_dim 128, in L2 (float64 or
-# head_dim 256: 256). On the Zen 4 of 2026-12-05 the nbkv API's step at 16k took 3.28 ms
+# chunk) walks blocks of up to _LONG_BLOCK positions, _LONG_BYTES of K (and of V) at most:
+# 512 positions of float32 or 16-bit K/V at head_dim 128, in L2 (float64 or float32 at
+# head_dim 256: 256). On the Zen 4 of 2026-12-05 the float32 step at 16k took 3.28 ms
 # instead of 3.70 with the read ceiling at 2.29 ms in both runs (paired share 63% -> 72%;
 # benchmarks/README.md); 1,024 was no better, 2,048 and up worse (K and V blocks outgrow
-# L2). 16-bit caches are bound by their arithmetic and keep _BLOCK: 512 made the float16
-# step 7% slower
+# L2). 16-bit caches, bound by their arithmetic, gained only with their V pass in pieces
+# of _BLOCK (whole blocks of 512 were 1-7% slower than blocks of 64; in pieces, 7-10%
+# faster with fast memory, the same with slow)
 _LONG_BLOCK = 512
 _LONG_BYTES = 256 * 1024
 _FEW_ROWS = 8
@@ -160,8 +162,8 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
     a chunk's running state (``acc``: 64 KiB at head_dim 128) stays in the L1/L2 caches
     while it walks the positions its queries see, which a prefill's whole group would not
     (512 queries at group 4: 1 MiB of accumulators, rewritten once per block). The walk
-    goes in blocks of :func:`_block_size` positions: 512 for a decode step over float32
-    K/V at head_dim 128, 64 for a prefill chunk or a 16-bit cache."""
+    goes in blocks of :func:`_block_size` positions: 512 for a decode step over float32 or
+    16-bit K/V at head_dim 128, 64 for a prefill chunk."""
     batch, num_heads, n_q, dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -175,7 +177,7 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
     denom_buf = np.empty(size, q.dtype)  # running sum of exp(score - m)
     acc_buf = np.empty((size, dim), q.dtype)  # running sum of exp(score - m) * V
     kind = kind16(table)  # 16-bit caches: float16 (0) or bfloat16 (1), widened as loaded
-    block = _block_size(size, kind, dim * k_cache.itemsize)  # positions per softmax step
+    block = _block_size(size, dim * k_cache.itemsize)  # positions per softmax step
     s_buf = np.empty((size, block), q.dtype)  # a block's scores, then weights
     k_rows, v_rows = k_cache[b, kvh], v_cache[b, kvh]
     for i0 in range(0, n_q, chunk):
@@ -206,7 +208,7 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
                 # a block at the edge of the causal mask or the window: mask per row
                 _mask(s, nb, j0, p0, n_c, causal, window)
             _online_softmax(s, nb, m, denom, acc)
-            _accumulate(s, v_rows[j0:j1], acc, 0, kind, _AHEAD)
+            _accumulate_block(s, v_rows[j0:j1], acc, kind, _AHEAD)
         for r in range(rows):
             h = kvh * group + r // n_c
             inv = 1.0 / denom[r]  # inf when nothing was finite: 0 * inf = NaN out
@@ -215,13 +217,13 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
 
 
 @njit(cache=True)
-def _block_size(rows, kind, row_bytes):
+def _block_size(rows, row_bytes):
     """Positions per block for a chunk of ``rows`` query rows over cached rows of
-    ``row_bytes`` bytes each (one head's K or V at a position) and ``kind`` (see
-    :func:`nbkv.kernels.cpu_math.kind16`): over 32- or 64-bit K/V, at most ``_FEW_ROWS``
-    rows walk the most whole multiples of ``_BLOCK`` up to ``_LONG_BLOCK`` whose rows fit in
-    ``_LONG_BYTES``; anything else walks ``_BLOCK``."""
-    if rows > _FEW_ROWS or kind >= 0:
+    ``row_bytes`` bytes each (one head's K or V at a position; the same rule for 16-bit
+    rows, whose V pass goes in pieces, :func:`_accumulate_block`): at most ``_FEW_ROWS``
+    rows walk the most whole multiples of ``_BLOCK`` up to ``_LONG_BLOCK`` whose rows fit
+    in ``_LONG_BYTES``; more rows walk ``_BLOCK``."""
+    if rows > _FEW_ROWS:
         return _BLOCK
     fit = _LONG_BYTES // max(1, row_bytes) // _BLOCK * _BLOCK
     return max(_BLOCK, min(_LONG_BLOCK, fit))
@@ -348,6 +350,23 @@ def _accumulate(s, vb, acc, c0, kind=-1, ahead=0):
             for d in range(dim):
                 a0[d] += w00 * value_of(v0[d], kind)
         r += 1
+
+
+@njit(cache=True, fastmath=_config.FASTMATH)
+def _accumulate_block(s, vb, acc, kind=-1, ahead=0):
+    """A block's V pass: :func:`_accumulate` of ``s[:, :len(vb)]`` times the rows ``vb``.
+    32- and 64-bit rows in one call; 16-bit rows (``kind`` >= 0) in pieces of ``_BLOCK``
+    positions, so that what a piece's passes over head_dim read again (16 KiB at head_dim
+    128) is still in L1, while the block's scores and softmax run over all of it at once
+    (their per-block costs spread over 512 positions). The same multiply-adds in the same
+    order either way (the accumulators go to memory between pieces): the same result, bit
+    for bit, on the vector path. Mutates ``acc``."""
+    nb = vb.shape[0]
+    if kind < 0:
+        _accumulate(s, vb, acc, 0, kind, ahead)
+        return
+    for c in range(0, nb, _BLOCK):
+        _accumulate(s, vb[c : min(c + _BLOCK, nb)], acc, c, kind, ahead)
 
 
 @njit(parallel=True, cache=True)
