@@ -42,7 +42,7 @@ _CHUNK_ROWS = 128
 # instead of 3.70 with the read ceiling at 2.29 ms in both runs (paired share 63% -> 72%;
 # benchmarks/README.md); 1,024 was no better, 2,048 and up worse (K and V blocks outgrow
 # L2). 16-bit caches, bound by their arithmetic, gained only with their V pass in pieces
-# of _BLOCK (whole blocks of 512 were 1-7% slower than blocks of 64; in pieces, 7-10%
+# of _BLOCK (whole blocks of 512 were up to 7% slower than blocks of 64; in pieces, 7-10%
 # faster with fast memory, the same with slow)
 _LONG_BLOCK = 512
 _LONG_BYTES = 256 * 1024
