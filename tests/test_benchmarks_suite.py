@@ -6,6 +6,7 @@ runner runs tiny fake ``bench_*.py`` scripts written into ``tmp_path``.
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import shutil
@@ -366,13 +367,17 @@ def test_gpu_sh_parses_and_keeps_to_its_budget(tmp_path):
     assert "unknown stage 'nonsense'" in summary
 
 
-def _bench_attention():
-    folder = str(ROOT / "benchmarks")  # bench_attention imports _machine from its folder
+def _bench_script(name):
+    """The module of ``benchmarks/bench_<name>.py`` (the scripts import ``_machine`` and
+    each other from their folder, which goes on ``sys.path``)."""
+    folder = str(ROOT / "benchmarks")
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    import bench_attention
+    return importlib.import_module(f"bench_{name}")
 
-    return bench_attention
+
+def _bench_attention():
+    return _bench_script("attention")
 
 
 def test_paired_share_compares_each_round_with_its_own_read():
@@ -450,10 +455,7 @@ def test_bench_attention_main_runs_two_sizes_and_checks_the_smallest(tmp_path, m
 
 
 def _bench_phases():
-    _bench_attention()  # puts benchmarks/ on sys.path
-    import bench_phases
-
-    return bench_phases
+    return _bench_script("phases")
 
 
 def test_bench_phases_main_checks_and_reports_every_phase(tmp_path, monkeypatch):
@@ -528,10 +530,7 @@ def test_bench_phases_fma_loop_runs_every_chain_n_rounds():
 
 
 def _bench_prefetch():
-    _bench_attention()  # puts benchmarks/ on sys.path
-    import bench_prefetch
-
-    return bench_prefetch
+    return _bench_script("prefetch")
 
 
 def test_bench_prefetch_main_checks_and_reports_every_contender(tmp_path, monkeypatch):
