@@ -40,8 +40,8 @@ def _stored(x, name):
 
 
 @njit
-def _tile(qs, r, kb, j, s, col, kind):
-    score_tile(qs, r, kb, j, s, col, kind)
+def _tile(qs, r, kb, j, s, col, kind, ahead=0):
+    score_tile(qs, r, kb, j, s, col, kind, ahead)
 
 
 @njit
@@ -87,15 +87,23 @@ def test_score_tile_matches_float64_and_writes_its_16_scores_only(name, seed):
         qs = rng.standard_normal((9, dim)).astype(np.float32)
         kb, kb64, kind = _stored(rng.standard_normal((11, dim)).astype(np.float32), name)
         r, j, col = int(rng.integers(0, 6)), int(rng.integers(0, 8)), int(rng.integers(0, 5))
-        s = np.full((9, 12), np.nan, np.float32)  # NaN where nothing may be written
-        _tile(qs, r, kb, j, s, col, kind)
         want = qs[r : r + 4].astype(np.float64) @ kb64[j : j + 4].T
-        got = s[r : r + 4, col : col + 4]
         scale = np.abs(qs[r : r + 4]).astype(np.float64) @ np.abs(kb64[j : j + 4]).T
-        assert np.all(np.abs(got - want) <= 4e-7 * scale + 1e-30), (dim, name)
-        untouched = np.ones(s.shape, bool)
-        untouched[r : r + 4, col : col + 4] = False
-        assert np.all(np.isnan(s[untouched])), "the tile wrote outside its 16 scores"
+        results = []
+        # the loop that prefetches ``ahead`` rows (either side) reads a line of each K row
+        # a pass (two or four passes of 16-bit or 8-bit K, head_dim's rest one at a
+        # time: DIMS has odd multiples of 16) and must not change a bit
+        for ahead in (0, 1, 64, -64):
+            s = np.full((9, 12), np.nan, np.float32)  # NaN where nothing may be written
+            _tile(qs, r, kb, j, s, col, kind, ahead)
+            got = s[r : r + 4, col : col + 4]
+            assert np.all(np.abs(got - want) <= 4e-7 * scale + 1e-30), (dim, name, ahead)
+            untouched = np.ones(s.shape, bool)
+            untouched[r : r + 4, col : col + 4] = False
+            assert np.all(np.isnan(s[untouched])), "the tile wrote outside its 16 scores"
+            results.append(s)
+        for other in results[1:]:
+            np.testing.assert_array_equal(other, results[0])
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -112,14 +112,18 @@ def _scores(qs, kb, s, c0, kind=-1, ahead=0):
     rows, dim = qs.shape
     nb = kb.shape[0]
     simd = tile_ok(qs, kb)  # float32 queries, head_dim a multiple of 16, unit strides
+    # 16-bit K: the tile prefetches as it reads (its 32k decode step 10% faster with fast
+    # memory); float32 K lines are all asked for before each tile (10% slower the
+    # other way: that step is bound by the memory)
+    narrow = kb.itemsize == 2
     r = 0
     while r + 4 <= rows:
         q0, q1, q2, q3 = qs[r], qs[r + 1], qs[r + 2], qs[r + 3]
         j = 0
         while simd and j + 4 <= nb:  # the tile in vector IR (nbkv.kernels.cpu_simd)
-            if r == 0:
+            if r == 0 and not narrow:
                 prefetch_ahead(kb, j, 4, ahead)
-            score_tile(qs, r, kb, j, s, c0 + j, kind)
+            score_tile(qs, r, kb, j, s, c0 + j, kind, ahead if r == 0 and narrow else 0)
             j += 4
         while j + 4 <= nb:
             if r == 0:  # the first rows' pass reads the block from memory
