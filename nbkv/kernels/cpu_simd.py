@@ -10,7 +10,8 @@ vectors into one holding half of each, so 16 vectors of 16 lanes become one vect
 sums in 15 additions and 30 shuffles.
 
 The vectors are ``<16 x float>`` where the CPU Numba compiles for has AVX-512: a 4 x 4
-tile's 16 accumulators and what feeds them fill its 32 registers. Narrower targets have
+tile's 16 accumulators and what feeds them fill its 32 registers (float16 K's tile takes
+``<8 x float>``, 4 x 4 of them reduced in two halves: :func:`_tile_shape`). Narrower targets have
 16 registers, and the same shapes spilled (compiled for AVX2, the tile took 1.9x the
 plain loop's time), so the shapes follow the target (:func:`tile_lanes`): with AVX,
 groups of 4 x 2 dot products in ``<8 x float>`` and V passes of 16 elements; otherwise
@@ -99,17 +100,30 @@ def _make_tile(fmt):
     return tile
 
 
+def _tile_shape(fmt):
+    """(lanes, K rows per group) of the score tile over K stored as ``fmt``: on AVX-512,
+    groups of four K rows by 16 lanes, float16 by 8 (32 registers hold 16 accumulators
+    of either; 8-lane conversions, ``vcvtph2ps`` from 128 bits, made the float16 32k
+    decode step 5% faster with fast memory on the Zen 4 of 2026-12-05, where 512-bit
+    operations run as two halves; bfloat16's shift and float32 were slower in 8);
+    narrower targets (:func:`tile_lanes`) two by 8 lanes (AVX) or one by 4, so that the
+    accumulators fit their 16 registers."""
+    lanes = tile_lanes()
+    if lanes == LANES and fmt == "f16":
+        return 8, _TILE
+    return lanes, lanes // _TILE
+
+
 def _tile_codegen(fmt, context, builder, signature, args):
-    """The IR of :func:`score_tile`: per group of K rows, a loop over head_dim, one
-    transposing reduction and the group's stores. On AVX-512 one group of four K rows by
-    16 lanes; narrower targets (:func:`tile_lanes`) take groups of two by 8 lanes (AVX)
-    or one by 4, so that the accumulators fit their 16 registers. Two copies of each
-    group's loop, with prefetches and without, chosen once by ``ahead``."""
+    """The IR of :func:`score_tile`: per group of K rows (:func:`_tile_shape`), a loop
+    over head_dim, transposing reductions (one per ``lanes`` sums) and the group's
+    stores. Two copies of each group's loop, with prefetches and without, chosen once by
+    ``ahead``."""
     qty, rty, kty, jty, sty, cty, hty = signature.args
     qa = context.make_array(qty)(context, builder, args[0])
     intp = context.get_value_type(types.intp)
     r0 = context.cast(builder, args[1], rty, types.intp)
-    lanes = tile_lanes()
+    lanes, cols = _tile_shape(fmt)
     g = SimpleNamespace(
         context=context,
         builder=builder,
@@ -129,7 +143,6 @@ def _tile_codegen(fmt, context, builder, signature, args):
     j0 = context.cast(builder, args[3], jty, types.intp)
     c0 = context.cast(builder, args[5], cty, types.intp)
     ahead = context.cast(builder, args[6], hty, types.intp)
-    cols = lanes // _TILE  # K rows per group: rows x cols vectors, reduced to one
     for k0 in range(0, _TILE, cols):
         krows = [
             row_pointer(context, builder, kty, ka, builder.add(j0, intp(k0 + k)), intp(0))
@@ -161,7 +174,11 @@ def _tile_codegen(fmt, context, builder, signature, args):
         for bb, sums in ends:
             for phi, v in zip(merged, sums, strict=True):
                 phi.add_incoming(v, bb)
-        sums = _reduce_across(builder, merged, lanes)  # lane i * cols + k: row i . K row k0 + k
+        # sum n = i * cols + k (row i . K row k0 + k) is lane n % lanes of sums[n // lanes]
+        sums = [
+            _reduce_across(builder, merged[n : n + lanes], lanes)
+            for n in range(0, len(merged), lanes)
+        ]
         # row i's `cols` scores are adjacent in s (its rows are unit-stride: the kernels'
         # own buffers) and in `sums`: one store of `cols` lanes each. Sixteen single
         # scores extracted and stored took 32 micro-ops a tile on the Zen 4, these 4
@@ -170,11 +187,12 @@ def _tile_codegen(fmt, context, builder, signature, args):
             ptr = row_pointer(
                 context, builder, sty, sa, builder.add(r0, intp(i)), builder.add(c0, intp(k0))
             )
+            vec, first = sums[i * cols // lanes], i * cols % lanes
             if cols > 1:
-                mine = list(range(i * cols, (i + 1) * cols))
-                part = builder.shuffle_vector(sums, ir.Constant(g.f32v, None), shuffle_mask(mine))
+                mine = list(range(first, first + cols))
+                part = builder.shuffle_vector(vec, ir.Constant(g.f32v, None), shuffle_mask(mine))
             else:
-                part = builder.extract_element(sums, ir.IntType(32)(i))
+                part = builder.extract_element(vec, ir.IntType(32)(first))
             builder.store(part, builder.bitcast(ptr, part_ty.as_pointer()), align=4)
 
 
