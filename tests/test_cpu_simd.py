@@ -24,7 +24,9 @@ from conftest import cpu_only
 pytestmark = cpu_only
 
 FORMATS = ("float32", "float16", "bfloat16", "uint8")
-DIMS = (16, 32, 48, 64, 128, 192, 256)
+# 48 and 80: a tile over 16-bit K reads whole lines (32 elements), then a pass of 16; 80
+# over 8-bit codes (lines of 64) the same
+DIMS = (16, 32, 48, 64, 80, 128, 192, 256)
 
 
 def _stored(x, name):
@@ -91,8 +93,9 @@ def test_score_tile_matches_float64_and_writes_its_16_scores_only(name, seed):
         scale = np.abs(qs[r : r + 4]).astype(np.float64) @ np.abs(kb64[j : j + 4]).T
         results = []
         # the loop that prefetches ``ahead`` rows (either side) reads a line of each K row
-        # a pass (two or four passes of 16-bit or 8-bit K, head_dim's rest one at a
-        # time: DIMS has odd multiples of 16) and must not change a bit
+        # a body (on AVX-512: one pass of 16 lanes of float32, two of bfloat16, four of 8
+        # lanes of float16, four of 16 of uint8), then head_dim's rest a pass at a time,
+        # and must not change a bit
         for ahead in (0, 1, 64, -64):
             s = np.full((9, 12), np.nan, np.float32)  # NaN where nothing may be written
             _tile(qs, r, kb, j, s, col, kind, ahead)

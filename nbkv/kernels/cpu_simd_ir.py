@@ -217,6 +217,10 @@ def tile_loops(g, krows, far):
         lambda d: builder.icmp_signed("<=", builder.add(d, intp(step)), g.dim),
     )
     if sub > 1:  # head_dim not a multiple of a line's elements: the passes left
+        if far is not None:  # and the last line of each row ahead, which they read
+            with builder.if_then(builder.icmp_signed("<", d, g.dim)):
+                for p in far:
+                    prefetch_ir(builder, builder.gep(p, [builder.mul(d, intp(g.ksize))]))
         d, sums = loop("rest", d, sums, 1, False, lambda d: builder.icmp_signed("<", d, g.dim))
     return sums
 
