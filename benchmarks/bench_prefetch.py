@@ -23,6 +23,10 @@ copies cycled so that no call finds them in the caches:
   presence.
 - ``nbkv kernel``: ``nbkv.kernels.attend``, a float32 decode step (32 query heads over
   8 KV heads, head_dim 128), what the others stand beside.
+- ``nbkv kernel, rows on a line``: the same over copies of the same K/V whose rows start
+  on a cache-line boundary (:func:`on_line`). numpy's large arrays, like the others here,
+  start 16 bytes past one (glibc maps them: a page, then its 16-byte header), so that
+  every 64-byte vector load of a row touches two lines; the report says where they start.
 
 Each share is the read's time over the contender's in the same round, apart for the
 rounds whose read ran at the memory's fast level and for the others
@@ -71,8 +75,9 @@ PAGE_ROWS = 4096 // (DIM * 4)  # float32 rows in 4 KiB
 SUM_RTOL = 1e-5  # of the sum of magnitudes: float32 sums of 2^23 terms err ~1e-7
 ATOL = 1e-4  # the kernel against float64 (outputs ~0.05)
 BLOCKS, PREFETCH, PAGES = "blocks", "blocks + prefetch", "blocks + page prefetch"
-KERNEL = "nbkv kernel"
+KERNEL, ON_LINE = "nbkv kernel", "nbkv kernel, rows on a line"
 SUMS = (READ, BLOCKS, PREFETCH, PAGES)
+LINE = 64  # bytes in a cache line
 
 
 @njit(fastmath=True)
@@ -111,8 +116,24 @@ def read_blocks(K, V, block, ahead, every):
     return part.sum()
 
 
+def on_line(x: np.ndarray) -> np.ndarray:
+    """A copy of ``x`` whose first element (and so, at 512 bytes a row, every row) starts on
+    a cache-line boundary."""
+    raw = np.empty(x.nbytes + LINE, np.uint8)
+    start = -raw.ctypes.data % LINE
+    y = raw[start : start + x.nbytes].view(x.dtype).reshape(x.shape)
+    y[...] = x
+    return y
+
+
+def line_offset(x: np.ndarray) -> int:
+    """Bytes from the cache line's start to ``x``'s first element."""
+    return x.ctypes.data % LINE
+
+
 def contenders(q, out, block):
-    """name -> f(K, V), every one run on Numba's threads."""
+    """name -> f(K, V), every one run on Numba's threads (``ON_LINE`` is the kernel, to
+    be given the copies :func:`on_line` makes)."""
 
     def kernel(k, v):  # a decode step over every position of the copy
         attend(q, k, v, k.shape[2], SCALE, False, 0, TABLE, out)
@@ -124,11 +145,13 @@ def contenders(q, out, block):
         PREFETCH: lambda k, v: read_blocks(k, v, block, ca._AHEAD, 1),
         PAGES: lambda k, v: read_blocks(k, v, block, ca._AHEAD, PAGE_ROWS),
         KERNEL: kernel,
+        ON_LINE: kernel,
     }
 
 
-def check(methods, q, k, v) -> dict:
-    """Every sum against float64, the kernel against ``nbkv.reference``; max errors."""
+def check(methods, q, k, v, twins) -> dict:
+    """Every sum against float64, the kernel against ``nbkv.reference`` (``ON_LINE`` over
+    ``twins``, the same values on line boundaries); max errors."""
     want = float(k.sum(dtype=np.float64) + v.sum(dtype=np.float64))
     scale = float(np.abs(k).sum(dtype=np.float64) + np.abs(v).sum(dtype=np.float64))
     errors = {}
@@ -136,23 +159,26 @@ def check(methods, q, k, v) -> dict:
         got = float(methods[name](k, v))
         errors[name] = abs(got - want) / scale
         assert errors[name] <= SUM_RTOL, f"{name}: sum {got} against {want} in float64"
-    got = methods[KERNEL](k, v)
+    assert all(line_offset(x) == 0 for x in twins), "the twins do not start on a line"
     ref = reference.attention(q.astype(np.float64), k, v, scale=SCALE)
-    errors[KERNEL] = float(np.abs(got - ref).max())
-    assert errors[KERNEL] <= ATOL, f"{KERNEL}: {errors[KERNEL]:.2e} off float64"
+    for name, kv in ((KERNEL, (k, v)), (ON_LINE, twins)):
+        errors[name] = float(np.abs(methods[name](*kv) - ref).max())
+        assert errors[name] <= ATOL, f"{name}: {errors[name]:.2e} off float64"
     return errors
 
 
-def measure(methods, copies, rounds) -> dict:
-    """Per contender, its time (ns) in each round; every call on its own copy in turn."""
+def measure(methods, copies, twins, rounds) -> dict:
+    """Per contender, its time (ns) in each round; every call on its own copy in turn
+    (``ON_LINE`` on the copy's twin)."""
     names = list(methods)
     times = {n: [] for n in names}
     c = 0
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             c = (c + 1) % len(copies)
+            kv = twins[c] if name == ON_LINE else copies[c]
             t0 = time.perf_counter_ns()
-            methods[name](*copies[c])
+            methods[name](*kv)
             times[name].append(time.perf_counter_ns() - t0)
     return times
 
@@ -217,9 +243,10 @@ def main() -> None:
         (rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32))
         for _ in range(n_copies)
     ]
+    twins = [(on_line(k), on_line(v)) for k, v in copies]
     methods = contenders(q, out, block)
     t0 = time.perf_counter()
-    errors = check(methods, q, *copies[0])  # also compiles every contender
+    errors = check(methods, q, *copies[0], twins[0])  # also compiles every contender
     jit_s = time.perf_counter() - t0
     print(
         f"{info['cpu']} ({info['cpu_count']} cpus, {numba.get_num_threads()} Numba threads), "
@@ -228,11 +255,12 @@ def main() -> None:
     print(
         f"K+V [1, {KV_HEADS}, {seq}, {DIM}] float32, {nbytes / 2**20:.0f} MiB a call, "
         f"{n_copies} copies cycled; blocks of {block} positions, prefetch {ca._AHEAD} rows "
-        f"ahead; {rounds} rounds; checked (compile and check {jit_s:.1f} s): "
+        f"ahead; rows {line_offset(copies[0][0])} bytes into a cache line ({ON_LINE}: "
+        f"0); {rounds} rounds; checked (compile and check {jit_s:.1f} s): "
         + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
         + "\n"
     )
-    times = measure(methods, copies, rounds)
+    times = measure(methods, copies, twins, rounds)
     res = summarise(times, rounds, nbytes)
     report(res)
     if args.json:
@@ -249,6 +277,7 @@ def main() -> None:
                         "block": block,
                         "prefetch_rows_ahead": ca._AHEAD,
                         "page_rows": PAGE_ROWS,
+                        "row_offset_in_line": line_offset(copies[0][0]),
                         "rounds": rounds,
                         "threads": numba.get_num_threads(),
                     },

@@ -539,9 +539,10 @@ def test_bench_prefetch_main_checks_and_reports_every_contender(tmp_path, monkey
     monkeypatch.setattr(sys, "argv", ["bench_prefetch", "--quick", "--json", str(out)])
     bp.main()
     data = json.loads(out.read_text())
-    assert list(data["results"]) == [*bp.SUMS, bp.KERNEL]
+    assert list(data["results"]) == [*bp.SUMS, bp.KERNEL, bp.ON_LINE]
     assert data["config"]["block"] == bp.ca._block_size(bp.GROUP, bp.DIM * 4)
-    assert data["max_error"][bp.KERNEL] <= bp.ATOL
+    assert max(data["max_error"][n] for n in (bp.KERNEL, bp.ON_LINE)) <= bp.ATOL
+    assert 0 <= data["config"]["row_offset_in_line"] < bp.LINE
     assert all(data["max_error"][n] <= bp.SUM_RTOL for n in bp.SUMS)
     for name, r in data["results"].items():
         assert r["ms"] > 0 and r["paired_rounds"] == data["config"]["rounds"], name
@@ -568,10 +569,37 @@ def test_bench_prefetch_check_fails_when_a_contender_is_wrong():
     k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(2))
     q = rng.standard_normal((1, bp.HEADS, 1, bp.DIM), dtype=np.float32)
     methods = bp.contenders(q, np.empty_like(q), 64)
-    bp.check(methods, q, k, v)  # right as built
+    twins = bp.on_line(k), bp.on_line(v)
+    bp.check(methods, q, k, v, twins)  # right as built
     skips = dict(methods, **{bp.PAGES: lambda k, v: bp.read_blocks(k[:, :, 1:], v, 64, 0, 1)})
     with pytest.raises(AssertionError, match="blocks \\+ page prefetch: sum"):
-        bp.check(skips, q, k, v)
+        bp.check(skips, q, k, v, twins)
     wrong = dict(methods, **{bp.KERNEL: lambda k, v: methods[bp.KERNEL](k, v) + 1e-3})
     with pytest.raises(AssertionError, match="nbkv kernel: .* off float64"):
-        bp.check(wrong, q, k, v)
+        bp.check(wrong, q, k, v, twins)
+    # the twins must hold the same values, on a line
+    with pytest.raises(AssertionError, match="rows on a line: .* off float64"):
+        bp.check(methods, q, k, v, (twins[0], bp.on_line(v[:, :, ::-1])))
+    with pytest.raises(AssertionError, match="do not start on a line"):
+        bp.check(methods, q, k, v, (k, v) if bp.line_offset(k) else (k[..., 4:], v))
+
+
+def test_bench_prefetch_on_line_copies_start_on_a_line_and_hold_the_values():
+    bp = _bench_prefetch()
+    for n in (2, 7, 129, 4100):
+        x = np.arange(n, dtype=np.float32)[1:]  # numpy's start, one element on
+        y = bp.on_line(x)
+        assert bp.line_offset(y) == 0 and y.shape == x.shape and y.dtype == x.dtype
+        np.testing.assert_array_equal(y, x)
+
+
+def test_bench_prefetch_measure_gives_the_on_line_kernel_the_twins():
+    bp = _bench_prefetch()
+    seen = {bp.READ: set(), bp.ON_LINE: set()}
+    methods = {name: (lambda k, v, name=name: seen[name].add(id(k))) for name in seen}
+    copies = [(np.zeros(4), np.zeros(4)) for _ in range(2)]
+    twins = [(np.ones(4), np.ones(4)) for _ in range(2)]
+    times = bp.measure(methods, copies, twins, 3)
+    assert seen[bp.READ] == {id(k) for k, _ in copies}
+    assert seen[bp.ON_LINE] == {id(k) for k, _ in twins}
+    assert all(len(t) == 3 for t in times.values())
