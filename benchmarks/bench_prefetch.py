@@ -201,7 +201,8 @@ def summarise(times, rounds, nbytes) -> dict:
 
 
 def report(res) -> None:
-    head = f"{'contender':<24} {'ms':>7} {'p10':>7} {'GB/s':>6} "
+    w = max(len(name) for name in res)
+    head = f"{'contender':<{w}} {'ms':>7} {'p10':>7} {'GB/s':>6} "
     head += f"{'%pair':>6} {'fast':>6} {'others':>6}"
     print(head + "\n" + "-" * len(head))
 
@@ -210,7 +211,7 @@ def report(res) -> None:
 
     for name, m in res.items():
         print(
-            f"{name:<24} {m['ms']:>7.2f} {m['ms_p10']:>7.2f} {m['gb_per_s']:>6.1f} "
+            f"{name:<{w}} {m['ms']:>7.2f} {m['ms_p10']:>7.2f} {m['gb_per_s']:>6.1f} "
             f"{pct(m['pct_of_read_paired'])} {pct(m['pct_paired_fast_memory'])} "
             f"{pct(m['pct_paired_slow_memory'])}"
         )
