@@ -24,9 +24,10 @@ copies cycled so that no call finds them in the caches:
 - ``nbkv kernel``: ``nbkv.kernels.attend``, a float32 decode step (32 query heads over
   8 KV heads, head_dim 128), what the others stand beside.
 - ``nbkv kernel, rows on a line``: the same over copies of the same K/V whose rows start
-  on a cache-line boundary (:func:`on_line`). numpy's large arrays, like the others here,
-  start 16 bytes past one (glibc maps them: a page, then its 16-byte header), so that
-  every 64-byte vector load of a row touches two lines; the report says where they start.
+  on a cache-line boundary (:func:`on_line`). With glibc, numpy's large arrays, like the
+  ordinary copies here, start 16 bytes past one (glibc maps them: a page, then its
+  16-byte header), so that every 64-byte vector load of a row (AVX-512's) touches two
+  lines; the report says where both kinds of copy start.
 
 Each share is the read's time over the contender's in the same round, apart for the
 rounds whose read ran at the memory's fast level and for the others
@@ -117,8 +118,9 @@ def read_blocks(K, V, block, ahead, every):
 
 
 def on_line(x: np.ndarray) -> np.ndarray:
-    """A copy of ``x`` whose first element (and so, at 512 bytes a row, every row) starts on
-    a cache-line boundary."""
+    """A C-contiguous copy of ``x`` (its values, dtype and shape) whose first element
+    starts on a cache-line boundary, and so every row too where a row is a whole number
+    of lines (512 bytes here)."""
     raw = np.empty(x.nbytes + LINE, np.uint8)
     start = -raw.ctypes.data % LINE
     y = raw[start : start + x.nbytes].view(x.dtype).reshape(x.shape)
@@ -129,6 +131,11 @@ def on_line(x: np.ndarray) -> np.ndarray:
 def line_offset(x: np.ndarray) -> int:
     """Bytes from the cache line's start to ``x``'s first element."""
     return x.ctypes.data % LINE
+
+
+def offsets(pairs) -> list[int]:
+    """The distinct :func:`line_offset` of every K and V in ``pairs``, sorted."""
+    return sorted({line_offset(x) for pair in pairs for x in pair})
 
 
 def contenders(q, out, block):
@@ -159,7 +166,12 @@ def check(methods, q, k, v, twins) -> dict:
         got = float(methods[name](k, v))
         errors[name] = abs(got - want) / scale
         assert errors[name] <= SUM_RTOL, f"{name}: sum {got} against {want} in float64"
-    assert all(line_offset(x) == 0 for x in twins), "the twins do not start on a line"
+    assert all(line_offset(x) == 0 and x.strides[-2] % LINE == 0 for x in twins), (
+        "the twins' rows do not start on a line"
+    )
+    assert all(np.array_equal(t, x) for t, x in zip(twins, (k, v), strict=True)), (
+        "the twins do not hold the copy's values"
+    )
     ref = reference.attention(q.astype(np.float64), k, v, scale=SCALE)
     for name, kv in ((KERNEL, (k, v)), (ON_LINE, twins)):
         errors[name] = float(np.abs(methods[name](*kv) - ref).max())
@@ -256,8 +268,9 @@ def main() -> None:
     print(
         f"K+V [1, {KV_HEADS}, {seq}, {DIM}] float32, {nbytes / 2**20:.0f} MiB a call, "
         f"{n_copies} copies cycled; blocks of {block} positions, prefetch {ca._AHEAD} rows "
-        f"ahead; rows {line_offset(copies[0][0])} bytes into a cache line ({ON_LINE}: "
-        f"0); {rounds} rounds; checked (compile and check {jit_s:.1f} s): "
+        f"ahead; rows {'/'.join(map(str, offsets(copies)))} bytes into a cache line "
+        f"({ON_LINE}: {'/'.join(map(str, offsets(twins)))}); {rounds} rounds; checked "
+        f"(compile and check {jit_s:.1f} s): "
         + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
         + "\n"
     )
@@ -278,7 +291,8 @@ def main() -> None:
                         "block": block,
                         "prefetch_rows_ahead": ca._AHEAD,
                         "page_rows": PAGE_ROWS,
-                        "row_offset_in_line": line_offset(copies[0][0]),
+                        "copies_offset_in_line": offsets(copies),
+                        "twins_offset_in_line": offsets(twins),
                         "rounds": rounds,
                         "threads": numba.get_num_threads(),
                     },

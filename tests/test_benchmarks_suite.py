@@ -542,7 +542,9 @@ def test_bench_prefetch_main_checks_and_reports_every_contender(tmp_path, monkey
     assert list(data["results"]) == [*bp.SUMS, bp.KERNEL, bp.ON_LINE]
     assert data["config"]["block"] == bp.ca._block_size(bp.GROUP, bp.DIM * 4)
     assert max(data["max_error"][n] for n in (bp.KERNEL, bp.ON_LINE)) <= bp.ATOL
-    assert 0 <= data["config"]["row_offset_in_line"] < bp.LINE
+    assert data["config"]["twins_offset_in_line"] == [0]
+    # numpy's arrays start at least 16-byte aligned (malloc's promise on x86-64)
+    assert all(x % 16 == 0 for x in data["config"]["copies_offset_in_line"])
     assert all(data["max_error"][n] <= bp.SUM_RTOL for n in bp.SUMS)
     for name, r in data["results"].items():
         assert r["ms"] > 0 and r["paired_rounds"] == data["config"]["rounds"], name
@@ -578,28 +580,43 @@ def test_bench_prefetch_check_fails_when_a_contender_is_wrong():
     with pytest.raises(AssertionError, match="nbkv kernel: .* off float64"):
         bp.check(wrong, q, k, v, twins)
     # the twins must hold the same values, on a line
-    with pytest.raises(AssertionError, match="rows on a line: .* off float64"):
-        bp.check(methods, q, k, v, (twins[0], bp.on_line(v[:, :, ::-1])))
-    with pytest.raises(AssertionError, match="do not start on a line"):
+    v2 = bp.on_line(v)
+    v2[0, 0, 0, 0] += 1.0  # a change the kernel's output hides
+    with pytest.raises(AssertionError, match="do not hold the copy's values"):
+        bp.check(methods, q, k, v, (twins[0], v2))
+    with pytest.raises(AssertionError, match="rows do not start on a line"):
         bp.check(methods, q, k, v, (k, v) if bp.line_offset(k) else (k[..., 4:], v))
+    with pytest.raises(AssertionError, match="rows do not start on a line"):
+        padded = bp.on_line(np.zeros((1, bp.KV_HEADS, 256, bp.DIM + 4), np.float32))
+        padded[..., : bp.DIM] = k
+        bp.check(methods, q, k, v, (padded[..., : bp.DIM], twins[1]))
 
 
-def test_bench_prefetch_on_line_copies_start_on_a_line_and_hold_the_values():
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "uint8"])
+def test_bench_prefetch_on_line_copies_start_on_a_line_and_hold_the_values(dtype):
     bp = _bench_prefetch()
-    for n in (2, 7, 129, 4100):
-        x = np.arange(n, dtype=np.float32)[1:]  # numpy's start, one element on
+    rng = np.random.default_rng(5)
+    base = (rng.standard_normal((3, 4, 37, 24)) * 50).astype(dtype)
+    views = [
+        base.reshape(-1)[1:],  # numpy's start, one element on
+        base[:, :, ::-1],  # negative strides
+        base.transpose(0, 2, 1, 3),  # not contiguous
+        base[1:, 2:, 3:7],
+    ]
+    for x in views:
         y = bp.on_line(x)
-        assert bp.line_offset(y) == 0 and y.shape == x.shape and y.dtype == x.dtype
+        assert bp.line_offset(y) == 0 and y.flags.c_contiguous
+        assert y.shape == x.shape and y.dtype == x.dtype and not np.shares_memory(x, y)
         np.testing.assert_array_equal(y, x)
 
 
 def test_bench_prefetch_measure_gives_the_on_line_kernel_the_twins():
     bp = _bench_prefetch()
-    seen = {bp.READ: set(), bp.ON_LINE: set()}
+    seen = {bp.READ: set(), bp.KERNEL: set(), bp.ON_LINE: set()}
     methods = {name: (lambda k, v, name=name: seen[name].add(id(k))) for name in seen}
     copies = [(np.zeros(4), np.zeros(4)) for _ in range(2)]
     twins = [(np.ones(4), np.ones(4)) for _ in range(2)]
     times = bp.measure(methods, copies, twins, 3)
-    assert seen[bp.READ] == {id(k) for k, _ in copies}
+    assert seen[bp.READ] == seen[bp.KERNEL] == {id(k) for k, _ in copies}
     assert seen[bp.ON_LINE] == {id(k) for k, _ in twins}
     assert all(len(t) == 3 for t in times.values())
