@@ -37,6 +37,9 @@ from .protocol import AttentionView, is_layer_cache
 __all__ = ["attention", "append_and_attend"]
 
 
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+
+
 class _Plan(NamedTuple):
     """Everything a kernel launch needs, all checked."""
 
@@ -126,7 +129,7 @@ def _pair(kv: Any, layout: str) -> AttentionView:
 
 def _plan(q, backend, kv_dims, dtype, options, out) -> _Plan:
     """Check an adopted q and ``out`` against K/V of ``kv_dims`` (seq = positions held)."""
-    batch, num_heads, n_q, head_dim = (int(x) for x in q.shape)
+    batch, num_heads, n_q, head_dim = q.shape  # an adopted array's: ints
     seq_len = kv_dims.seq
     if batch != kv_dims.batch:
         raise ShapeMismatchError(
@@ -145,17 +148,14 @@ def _plan(q, backend, kv_dims, dtype, options, out) -> _Plan:
             f"group * num_kv_heads)"
         )
     if n_q > seq_len:
-        raise ShapeMismatchError(
-            f"q has {n_q} queries but the cache holds {seq_len} positions; the queries are "
-            f"the last n_q positions held, so append their K/V first"
-        )
+        raise _too_many_queries(n_q, seq_len)
     scale, causal, window = options
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     # a window that reaches back past position 0 for every query is no window at all
     window = 0 if window is None or window >= seq_len else window
     q_dtype = np.dtype(q.dtype)
     # 16-bit storage is accumulated in float32; float64 anywhere means float64
-    acc = np.dtype(np.float64) if np.float64 in (q_dtype, dtype) else np.dtype(np.float32)
+    acc = _F64 if _F64 in (q_dtype, dtype) else _F32
     if out is not None:
         out = backend.adopt(out, "out")
         if tuple(out.shape) != tuple(q.shape):
@@ -170,6 +170,13 @@ def _plan(q, backend, kv_dims, dtype, options, out) -> _Plan:
     q_kernel, result, out = backend.attention_arrays(q, acc, out)
     table = backend.attention_table(dtype)
     return _Plan(backend, q_kernel, out, result, scale, causal, window, table)
+
+
+def _too_many_queries(n_q: int, seq_len: int) -> ShapeMismatchError:
+    return ShapeMismatchError(
+        f"q has {n_q} queries but the cache holds {seq_len} positions; the queries are "
+        f"the last n_q positions held, so append their K/V first"
+    )
 
 
 def _run(plan: _Plan, view: AttentionView):
@@ -246,12 +253,22 @@ def attention(
             raise InvalidArgumentError(
                 f"layout={layout!r} but this cache holds layout {kv.layout!r}; leave it out"
             )
-        q = _adopt_q(q, get_backend(kv.device, kv.layout))
-        # a decode step of a ring reads its buffers in place; anything else in order
-        view = kv.attention_view(int(q.shape[2]), options[2])
-    else:
-        view = _pair(kv, _layout.check_layout("bhsd" if layout is None else layout))
-        q = _adopt_q(q, view.backend)
+        return _attend_cache(q, kv, options, out, get_backend(kv.device, kv.layout))
+    view = _pair(kv, _layout.check_layout("bhsd" if layout is None else layout))
+    q = _adopt_q(q, view.backend)
+    plan = _plan(q, view.backend, view.dims, view.dtype, options, out)
+    return _run(plan, view)
+
+
+def _attend_cache(q: Any, cache: Any, options: tuple, out: Any, backend: Any):
+    """``attention`` over a layer cache, its options checked; ``backend`` is the cache's."""
+    q = _adopt_q(q, backend)
+    n_q, held = q.shape[2], cache.seq_len
+    if 0 < held < n_q:  # before the view: a ring would say it overwrote what q needs
+        raise _too_many_queries(n_q, held)
+    # a decode step of a ring reads its buffers in place; anything else in order; the
+    # view's backend is the cache's reader (a quantized cache's reads the codes)
+    view = cache.attention_view(n_q, options[2])
     plan = _plan(q, view.backend, view.dims, view.dtype, options, out)
     return _run(plan, view)
 
@@ -271,10 +288,12 @@ def append_and_attend(
     the cache allows it.
 
     One launch on CUDA for a :class:`~nbkv.LayerKVCache` (per-launch overhead is a large
-    part of a decode step on a GPU); a ring's slots are not the positions a fused kernel
-    writes, so a :class:`~nbkv.RotatingKVCache` gets the append and then the attention.
-    All or nothing: everything is checked and allocated first, and if anything still
-    fails the cache is put back as it was.
+    part of a decode step on a GPU): everything is checked and allocated first, then the
+    kernel runs. A ring's slots are not the positions a fused kernel writes, so a
+    :class:`~nbkv.RotatingKVCache` gets the append and then the attention; so does every
+    cache on the CPU, where the two kernels would run back to back anyway and the
+    cache's own ``append`` takes its decode fast path. All or nothing: if anything fails
+    (a bad ``q`` or ``out`` included), the cache is put back as it was.
 
     Examples
     --------
@@ -288,8 +307,11 @@ def append_and_attend(
     if not is_layer_cache(cache):
         raise ArgumentTypeError(f"cache must be a layer cache, got {type(cache).__name__}")
     options = _check_options(scale, causal, window)
-    append = cache.prepare_append(k, v)
     be = get_backend(cache.device, cache.layout)
+    if not be.fused_append_attend:
+        undo = cache.append(k, v, undoable=True)  # its own decode fast path
+        return _attend_or_undo(undo, q, cache, options, out, be)
+    append = cache.prepare_append(k, v)
     q = _adopt_q(q, be)
     d = append.dims
     dims = _layout.Dims(d.batch, d.num_kv_heads, append.held_after, d.head_dim)
@@ -297,14 +319,7 @@ def append_and_attend(
     staged = cache.stage_append(append)
     if staged.fused is None:
         undo = cache.commit_append(staged, undoable=True)
-        try:
-            view = cache.attention_view(int(q.shape[2]), options[2])
-            # the view's own reader (a quantized cache's reads the codes) and its table
-            table = view.backend.attention_table(view.dtype)
-            return _run(plan._replace(backend=view.backend, table=table), view)
-        except BaseException:
-            undo()
-            raise
+        return _attend_or_undo(undo, q, cache, options, out, be)
     k_buf, v_buf, pos = staged.fused
     form = be.attention_form
     be.append_attend(
@@ -313,3 +328,12 @@ def append_and_attend(
     )  # fmt: skip
     cache.commit_append(staged, written=True)
     return be.finish_attention(plan.result, plan.out)
+
+
+def _attend_or_undo(undo: Any, q: Any, cache: Any, options: tuple, out: Any, backend: Any):
+    """Attention over a cache just appended to; if it raises, ``undo()`` the append."""
+    try:
+        return _attend_cache(q, cache, options, out, backend)
+    except BaseException:
+        undo()
+        raise

@@ -57,6 +57,9 @@ class Backend(Protocol):
     name: str  # "cpu" or "cuda"
     layout: str  # the layout every array passed in is in
     seq_axis: int  # where the positions are in that layout
+    # append_attend is one launch, worth checking and staging an append for; else it is
+    # write_kv then attend, and append_and_attend runs the cache's append then attention
+    fused_append_attend: bool
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         """An uninitialised user-form buffer on the device."""
@@ -132,6 +135,7 @@ class CPUBackend(CPUPaged):
     """
 
     name = "cpu"
+    fused_append_attend = False  # append_attend: two cached kernels back to back
 
     # the kernel table: layout -> (write_kv, write_cache)
     _KERNELS = {

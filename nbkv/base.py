@@ -260,6 +260,12 @@ class BaseKVCache(AppendMixin, StateMixin):
 
     def _check_fits(self, name: str, arr: Any, d: _layout.Dims) -> None:
         """Batch, heads and head_dim of ``arr`` against the buffers (or the constructor)."""
+        if (d.batch, d.num_kv_heads, d.head_dim) == (
+            self._batch,
+            self._num_kv_heads,
+            self._head_dim,
+        ):
+            return  # the decode loop's case: the sizes set (each at least 1) and matched
         for field, want in zip(
             _layout.SIZES, (self._batch, self._num_kv_heads, self._head_dim), strict=True
         ):
@@ -278,7 +284,7 @@ class BaseKVCache(AppendMixin, StateMixin):
         k = self._adopt(k, "k")
         v = self._adopt(v, "v")
         kd = _layout.dims(k.shape, self._layout)
-        vd = _layout.dims(v.shape, self._layout)
+        vd = kd if k.shape == v.shape else _layout.dims(v.shape, self._layout)
         if kd != vd:
             field = next(f for f in _layout.Dims._fields if getattr(kd, f) != getattr(vd, f))
             raise ShapeMismatchError(

@@ -148,6 +148,7 @@ class CUDABackend(CUDAPaged):
     """
 
     name = "cuda"
+    fused_append_attend = True  # one launch writes the new positions and attends
 
     def __init__(self, device: _CUDADevice, layout: str) -> None:
         self._dev = device

@@ -11,9 +11,19 @@ from hypothesis import strategies as st
 
 import nbkv
 from nbkv import _config, reference
+from nbkv.backends import get_backend
 from nbkv.kernels import cpu_attention
 
-from conftest import DEVICE, LAYOUTS, cpu_only, dtype_of, host, randn, shape_of
+from conftest import (
+    DEVICE,
+    LAYOUTS,
+    assert_bits_equal,
+    cpu_only,
+    dtype_of,
+    host,
+    randn,
+    shape_of,
+)
 from test_errors import assert_same, snapshot
 
 # tolerance on |nbkv - float64 reference| for float32 queries and output: 16-bit storage
@@ -245,6 +255,72 @@ def test_append_and_attend_allocates_a_lazy_cache(rng):
     got = host(nbkv.append_and_attend(q, k, k, cache))
     np.testing.assert_allclose(got, reference.attention(q, k, k), rtol=0, atol=3e-5)
     assert cache.is_allocated and cache.seq_len == 2
+
+
+def _bad_q(rng, cache):
+    return randn(rng, (1, 4, 1, 3), "float32")  # head_dim 3 against the cache's 4
+
+
+def _read_only_out(rng, cache):
+    if DEVICE == "cuda":
+        return None  # a device array cannot be read-only
+    out = np.empty((1, 4, 1, 4), np.float32)
+    out.flags.writeable = False
+    return out
+
+
+@pytest.mark.parametrize("state", ["lazy", "allocated", "primed", "grows"])
+@pytest.mark.parametrize("failure", ["bad q", "read-only out", "attend fails"])
+def test_append_and_attend_that_fails_leaves_the_cache_as_it_was(rng, monkeypatch, state, failure):
+    """Whatever failed (a check of q or out, or the kernel), before or after the append
+    (the CPU appends first: the cache's decode fast path, primed or not), the cache holds
+    what it held, with its capacity and buffers; and the next call works."""
+    grow = {"on_overflow": "grow", "grow_step": 4} if state == "grows" else {}
+    if state == "lazy":
+        cache = nbkv.LayerKVCache(8, device=DEVICE, **grow)
+    else:
+        cache = nbkv.LayerKVCache(
+            4, batch=1, num_kv_heads=2, head_dim=4, dtype="float32", device=DEVICE, **grow
+        )
+        held = 4 if state == "grows" else 2
+        kv = randn(rng, (1, 2, held, 4), "float32")
+        cache.append(kv[:, :, :1], kv[:, :, :1])
+        cache.append(kv[:, :, 1:], kv[:, :, 1:])  # a second call: the fast path is primed
+    if state == "primed":
+        one = randn(rng, (1, 2, 1, 4), "float32")
+        cache.append(one, one)
+        cache.crop(2)
+    before = snapshot(cache), cache.max_seq_len, cache.is_allocated
+    views = cache.get_kv()
+    k = randn(rng, (1, 2, 1, 4), "float32")
+    q, out = randn(rng, (1, 4, 1, 4), "float32"), None
+    if failure == "bad q":
+        q, error = _bad_q(rng, cache), nbkv.ShapeMismatchError
+    elif failure == "read-only out":
+        out, error = _read_only_out(rng, cache), nbkv.InvalidArgumentError
+        if out is None:
+            pytest.skip("a device array cannot be read-only")
+    else:
+        be = get_backend(DEVICE, "bhsd")
+        name = "attend" if not be.fused_append_attend else "append_attend"
+
+        def fail(*args, **kwargs):
+            raise RuntimeError("injected: the kernel failed")
+
+        monkeypatch.setattr(be, name, fail)
+        error = RuntimeError
+    with pytest.raises(error):
+        nbkv.append_and_attend(q, k, k, cache, out=out)
+    monkeypatch.undo()
+    assert_same(before[0], snapshot(cache))
+    assert (cache.max_seq_len, cache.is_allocated) == before[1:]
+    if views is not None:  # the buffers the views see are still the cache's
+        views[0][...] = 0
+        assert not host(cache.get_kv()[0]).any()
+    held = cache.seq_len
+    got = host(nbkv.append_and_attend(randn(rng, (1, 4, 1, 4), "float32"), k, k, cache))
+    assert cache.seq_len == held + 1 and np.isfinite(got).all()
+    assert_bits_equal(cache.get_kv()[0][:, :, held : held + 1], k)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="splits exist on the CUDA kernel only")
