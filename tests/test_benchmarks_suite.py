@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import nbkv
+
 from conftest import cpu_only
 
 pytestmark = cpu_only
@@ -620,3 +622,67 @@ def test_bench_prefetch_measure_gives_the_on_line_kernel_the_twins():
     assert seen[bp.READ] == seen[bp.KERNEL] == {id(k) for k, _ in copies}
     assert seen[bp.ON_LINE] == {id(k) for k, _ in twins}
     assert all(len(t) == 3 for t in times.values())
+
+
+def test_bench_host_main_checks_and_reports_every_contender(tmp_path):
+    bh = _bench_script("host")
+    out = tmp_path / "host.json"
+    data = bh.main(["--quick", "--held", "1,5", "--json", str(out)])
+    assert json.loads(out.read_text()) == data
+    assert list(data["results"]) == [f"{d}, {h} held" for h in (1, 5) for d in bh.DTYPES]
+    for name, r in data["results"].items():
+        assert list(r) == list(bh.METHODS), name
+        assert r["kernels"]["over_kernels_us"] == 0.0
+        for method, m in r.items():
+            assert 0 < m["p10_us"] <= m["median_us"] <= m["p90_us"], (name, method)
+            assert m["over_kernels_us"] == pytest.approx(m["median_us"] - r["kernels"]["median_us"])
+
+
+def test_bench_host_refuses_a_size_the_api_would_run_in_parallel():
+    bh = _bench_script("host")
+    with pytest.raises(SystemExit, match="parallel"):
+        bh.main(["--quick", "--held", "1000000"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bench_host_check_fails_when_a_contender_is_wrong(dtype):
+    bh = _bench_script("host")
+    step = bh.Step(dtype, 3, seed=0)
+    calls = step.calls()
+    step.check(calls)  # right as built
+    assert step.cache.seq_len == 3
+
+    def no_append():  # attends over what the cache held: one position short
+        nbkv.attention(step.q, step.cache, out=step.outs["append_and_attend"])
+
+    with pytest.raises(AssertionError, match="append_and_attend: the cache holds 3"):
+        step.check(dict(calls, append_and_attend=no_append))
+
+    def wrong_row():  # appends v as k
+        step.cache.append(step.v, step.v)
+        nbkv.attention(step.q, step.cache, out=step.outs["append + attention"])
+
+    with pytest.raises(AssertionError, match="append \\+ attention: the appended position"):
+        step.check(dict(calls, **{"append + attention": wrong_row}))
+
+    def off():  # the kernels, their output nudged: every other contender now differs
+        calls["kernels"]()
+        step.outs["kernels"][0, 0, 0, 0] += 1e-3
+
+    with pytest.raises(AssertionError, match="differs from the kernels' own"):
+        step.check(dict(calls, kernels=off))
+
+    def stale():  # attention over the held positions only, written where the API writes
+        nbkv.attention(step.q, step.cache, out=step.outs["kernels"])
+
+    with pytest.raises(AssertionError, match="differs from the kernels' own|float64"):
+        step.check(dict(calls, kernels=stale))
+
+
+def test_bench_host_measure_times_every_contender_each_round():
+    bh = _bench_script("host")
+    step = bh.Step("float16", 2, seed=1)
+    times = bh.measure(step, rounds=7, warmup=2)
+    assert list(times) == list(bh.METHODS)
+    assert all(len(ts) == 7 and min(ts) > 0 for ts in times.values())
+    assert step.cache.seq_len == 2  # cropped back after the last call
