@@ -80,9 +80,11 @@ def kernel_dtype(dtype: np.dtype) -> np.dtype:
 def _table(name: str) -> np.ndarray:
     bits = np.arange(2**16, dtype=np.uint32)
     if name == "float16":
-        return bits.astype(np.uint16).view(np.float16).astype(np.float32)
-    # bfloat16 is the upper half of a float32: shift the bits into place
-    return (bits << 16).view(np.float32)
+        table = bits.astype(np.uint16).view(np.float16).astype(np.float32)
+    else:  # bfloat16 is the upper half of a float32: shift the bits into place
+        table = (bits << 16).view(np.float32)
+    table.flags.writeable = False  # shared by every caller
+    return table
 
 
 def widen_table(dtype: np.dtype) -> np.ndarray:
@@ -97,9 +99,7 @@ def widen_table(dtype: np.dtype) -> np.ndarray:
     """
     if dtype.itemsize != 2:
         return _table_empty
-    table = _table("float16" if dtype == np.float16 else "bfloat16")
-    table.flags.writeable = False
-    return table
+    return _table("float16" if dtype == np.float16 else "bfloat16")
 
 
 _table_empty = np.empty(0, np.float32)

@@ -110,6 +110,15 @@ def test_kind16_reads_the_format_off_the_widening_table():
     assert kind16(widen_table(np.dtype(np.float32))) == -1
 
 
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_the_widening_table_is_shared_and_read_only(name):
+    table = widen_table(resolve_dtype(name))
+    assert table is widen_table(resolve_dtype(name))
+    with pytest.raises(ValueError, match="read-only"):
+        table[0x3C00] = 0.0
+    assert table[0x3C00] == (1.0 if name == "float16" else np.uint32(0x3C00 << 16).view(np.float32))
+
+
 @njit
 def _touch(a, i, j):
     prefetch(a, i, j)
