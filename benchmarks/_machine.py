@@ -71,6 +71,9 @@ def machine(torch=None) -> dict:
         "numba": numba.__version__,
         "numba_threads": numba.get_num_threads(),
         "nbkv": nbkv.__version__,
+        # the package imported: "git" below is the checkout's, which a run that imports
+        # another copy (PYTHONPATH=<an older worktree>) did not measure
+        "nbkv_path": str(Path(nbkv.__file__).resolve().parent),
         "torch": None if torch is None else torch.__version__,
         "torch_threads": None if torch is None else torch.get_num_threads(),
         "thread_env": {

@@ -3,8 +3,10 @@
 Decode attention reads only the positions held, ``[0, seq_len)``, and maps query head
 ``h`` to KV head ``h // group`` by index: K/V are never repeated or copied, and no mask
 is built over unused capacity. A cache is reached through the cache protocol
-(:mod:`nbkv.protocol`): ``attention_view`` says what to read, ``prepare_append`` /
-``stage_append`` / ``commit_append`` write; no cache type is special-cased here.
+(:mod:`nbkv.protocol`): ``attention_view`` says what to read; ``prepare_append`` /
+``stage_append`` / ``commit_append`` write ahead of a fused launch (CUDA), ``append(k, v,
+undoable=True)`` where the backend runs the two kernels back to back anyway (the CPU); no
+cache type is special-cased here.
 
 NaN and infinities flow through as IEEE arithmetic says, never as an exception: a NaN
 query (or key it sees) gives NaN out, a ``-inf`` score gets weight 0, and a row that sees
@@ -147,6 +149,8 @@ def _plan(q, backend, kv_dims, dtype, options, out) -> _Plan:
             f"{kv_dims.num_kv_heads} KV heads (grouped-query attention needs num_heads = "
             f"group * num_kv_heads)"
         )
+    if seq_len == 0:  # an empty append to an empty cache: as attention over it says
+        raise InvalidArgumentError("the cache holds no position: there is nothing to attend to")
     if n_q > seq_len:
         raise _too_many_queries(n_q, seq_len)
     scale, causal, window = options
@@ -310,7 +314,11 @@ def append_and_attend(
     be = get_backend(cache.device, cache.layout)
     if not be.fused_append_attend:
         undo = cache.append(k, v, undoable=True)  # its own decode fast path
-        return _attend_or_undo(undo, q, cache, options, out, be)
+        try:
+            return _attend_cache(q, cache, options, out, be)
+        except BaseException:
+            undo()
+            raise
     append = cache.prepare_append(k, v)
     q = _adopt_q(q, be)
     d = append.dims
@@ -319,7 +327,15 @@ def append_and_attend(
     staged = cache.stage_append(append)
     if staged.fused is None:
         undo = cache.commit_append(staged, undoable=True)
-        return _attend_or_undo(undo, q, cache, options, out, be)
+        try:
+            view = cache.attention_view(q.shape[2], options[2])
+            # the plan made before the commit, on the view's own reader (a quantized
+            # cache's reads the codes) and its table
+            table = view.backend.attention_table(view.dtype)
+            return _run(plan._replace(backend=view.backend, table=table), view)
+        except BaseException:
+            undo()
+            raise
     k_buf, v_buf, pos = staged.fused
     form = be.attention_form
     be.append_attend(
@@ -328,12 +344,3 @@ def append_and_attend(
     )  # fmt: skip
     cache.commit_append(staged, written=True)
     return be.finish_attention(plan.result, plan.out)
-
-
-def _attend_or_undo(undo: Any, q: Any, cache: Any, options: tuple, out: Any, backend: Any):
-    """Attention over a cache just appended to; if it raises, ``undo()`` the append."""
-    try:
-        return _attend_cache(q, cache, options, out, backend)
-    except BaseException:
-        undo()
-        raise

@@ -282,14 +282,20 @@ def test_append_and_attend_that_fails_leaves_the_cache_as_it_was(rng, monkeypatc
         cache = nbkv.LayerKVCache(
             4, batch=1, num_kv_heads=2, head_dim=4, dtype="float32", device=DEVICE, **grow
         )
-        held = 4 if state == "grows" else 2
-        kv = randn(rng, (1, 2, held, 4), "float32")
-        cache.append(kv[:, :, :1], kv[:, :, :1])
-        cache.append(kv[:, :, 1:], kv[:, :, 1:])  # a second call: the fast path is primed
-    if state == "primed":
+        kv = randn(rng, (1, 2, 4 if state == "grows" else 2, 4), "float32")
+        cache.append(kv, kv)  # of 2 or 4 positions: an append of 1 checks everything
+    if state == "primed":  # an append of 1 position: the next one takes the fast path
         one = randn(rng, (1, 2, 1, 4), "float32")
         cache.append(one, one)
         cache.crop(2)
+    full_checks = []
+    prepare = cache.prepare_append
+
+    def counted(*args):
+        full_checks.append(1)
+        return prepare(*args)
+
+    monkeypatch.setattr(cache, "prepare_append", counted)
     before = snapshot(cache), cache.max_seq_len, cache.is_allocated
     views = cache.get_kv()
     k = randn(rng, (1, 2, 1, 4), "float32")
@@ -312,6 +318,8 @@ def test_append_and_attend_that_fails_leaves_the_cache_as_it_was(rng, monkeypatc
     with pytest.raises(error):
         nbkv.append_and_attend(q, k, k, cache, out=out)
     monkeypatch.undo()
+    # every path was taken: the CPU's fast path when primed, the full checks otherwise
+    assert len(full_checks) == (0 if DEVICE == "cpu" and state == "primed" else 1)
     assert_same(before[0], snapshot(cache))
     assert (cache.max_seq_len, cache.is_allocated) == before[1:]
     if views is not None:  # the buffers the views see are still the cache's

@@ -630,12 +630,11 @@ def test_bench_host_main_checks_and_reports_every_contender(tmp_path):
     data = bh.main(["--quick", "--held", "1,5", "--json", str(out)])
     assert json.loads(out.read_text()) == data
     assert list(data["results"]) == [f"{d}, {h} held" for h in (1, 5) for d in bh.DTYPES]
-    for name, r in data["results"].items():
+    for name, r in data["results"].items():  # every contender timed (check() ran first)
         assert list(r) == list(bh.METHODS), name
-        assert r["kernels"]["over_kernels_us"] == 0.0
-        for method, m in r.items():
-            assert 0 < m["p10_us"] <= m["median_us"] <= m["p90_us"], (name, method)
-            assert m["over_kernels_us"] == pytest.approx(m["median_us"] - r["kernels"]["median_us"])
+        assert all(m["p10_us"] > 0 for m in r.values()), name
+    assert data["rounds"] == 300 and data["quick"]
+    assert data["machine"]["nbkv_path"] == str(Path(nbkv.__file__).resolve().parent)
 
 
 def test_bench_host_refuses_a_size_the_api_would_run_in_parallel():

@@ -283,7 +283,7 @@ def test_append_and_attend_succeeds_where_it_used_to_write_then_raise(rng, kwarg
 
 
 @cpu_only
-def test_append_and_attend_into_read_only_out_raises_and_writes_nothing(rng):
+def test_append_and_attend_into_read_only_out_raises_and_leaves_the_cache_as_it_was(rng):
     cache, _, _ = filled(rng, 3, 8)
     before = snapshot(cache)
     out = np.empty((1, 4, 1, 4), np.float32)
@@ -434,6 +434,25 @@ def test_bad_arguments_at_the_boundary_get_typed_errors(call, error, fragment):
         call()
 
 
+@pytest.mark.parametrize("layer", ["lazy", "allocated"])
+def test_attending_over_an_empty_cache_says_so_whatever_the_call(rng, layer):
+    """An empty append to an empty cache leaves nothing to attend to: the error attention
+    gives, on every backend (the CUDA path used to say 1 query over 0 positions)."""
+    if layer == "lazy":
+        cache = nbkv.LayerKVCache(8, device=DEVICE)
+    else:
+        cache = nbkv.LayerKVCache(
+            8, batch=1, num_kv_heads=2, head_dim=4, dtype="float32", device=DEVICE
+        )
+    before = snapshot(cache)
+    q, k = randn(rng, (1, 4, 1, 4), "float32"), randn(rng, (1, 2, 0, 4), "float32")
+    with pytest.raises(nbkv.InvalidArgumentError, match="holds no position"):
+        nbkv.attention(q, cache)
+    with pytest.raises(nbkv.InvalidArgumentError, match="holds no position"):
+        nbkv.append_and_attend(q, k, k, cache)
+    assert_same(before, snapshot(cache))
+
+
 def test_a_query_with_a_zero_size_is_a_shape_error(rng):
     cache, _, _ = filled(rng, 3, 8)
     before = snapshot(cache)
@@ -544,7 +563,16 @@ def test_a_chunk_of_queries_over_a_wrapped_ring_is_refused_not_answered_wrongly(
     k = randn(rng, (1, 1, 2, 2), "float32")
     with pytest.raises(nbkv.InvalidArgumentError, match="overwritten"):
         nbkv.append_and_attend(q2, k, k, ring)
-    assert_same(before[0], snapshot(ring)) and ring.offset == before[1]
+    assert_same(before[0], snapshot(ring))
+    assert ring.offset == before[1]
+    # more queries than the ring holds: a shape error, said before "overwritten"
+    q5 = randn(rng, (1, 1, 5, 2), "float32")
+    with pytest.raises(nbkv.ShapeMismatchError, match="5 queries but the cache holds 4"):
+        nbkv.attention(q5, ring)
+    with pytest.raises(nbkv.ShapeMismatchError, match="5 queries but the cache holds 4"):
+        nbkv.append_and_attend(q5, k[:, :, :0], k[:, :, :0], ring)
+    assert_same(before[0], snapshot(ring))
+    assert ring.offset == before[1]
     # a decode step, and a chunk whose window the ring still holds, are exact
     q1 = randn(rng, (1, 1, 1, 2), "float32")
     np.testing.assert_allclose(

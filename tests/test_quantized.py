@@ -5,6 +5,7 @@ nothing, injected faults, and a stateful machine against a NumPy model."""
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import numpy as np
@@ -478,6 +479,42 @@ def test_a_bad_append_raises_a_typed_error_and_changes_nothing(args, error, matc
     assert before[1:] == after[1:]
     for a, b in zip(before[0], after[0], strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("held", [9, 10])  # 10: the append quantizes a group of the window
+@pytest.mark.parametrize("failure", ["bad q", "attention raises"])
+def test_an_append_and_attend_that_fails_after_its_append_changes_nothing(
+    device, held, failure, monkeypatch
+):
+    """On the CPU the append comes first (codes and window written), then the attention;
+    whatever fails after it, the codes, the window and the counters are put back."""
+    c = _cache(device)
+    rng = np.random.default_rng(held)
+    x = _data(rng, (2, 2, held, 8), "float32")
+    c.append(x, x)
+    before = (_kv(c), c.seq_len, c.q_len, c.offset)
+    k = _data(rng, (2, 2, 1, 8), "float32")
+    q = np.ones((2, 4, 1, 8), np.float32)
+    if failure == "bad q":
+        q, error = np.ones((2, 3, 1, 8), np.float32), nbkv.ShapeMismatchError
+    else:
+        error = RuntimeError
+
+        def fail(*args, **kwargs):
+            raise RuntimeError("injected: the attention failed")
+
+        # the module, which nbkv.attention (the function) hides
+        monkeypatch.setattr(importlib.import_module("nbkv.attention"), "_run", fail)
+    with pytest.raises(error):
+        nbkv.append_and_attend(q, k, k, c)
+    monkeypatch.undo()
+    after = (_kv(c), c.seq_len, c.q_len, c.offset)
+    assert before[1:] == after[1:]
+    for a, b in zip(before[0], after[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    got = nbkv.to_host(nbkv.append_and_attend(np.ones((2, 4, 1, 8), np.float32), k, k, c))
+    assert c.seq_len == held + 1 and np.isfinite(got).all()
 
 
 def test_a_failing_forward_pass_of_a_model_puts_every_quantized_layer_back(monkeypatch):
