@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _config
+from . import _config, cuda_launch
 from . import layout as _layout
 from ._backend_common import _host_array, _span
 from .dtypes import kernel_dtype, widen_table
@@ -367,19 +367,21 @@ class _KernelPlan:
         self.sms = dev.sm_count()
         self.threads, self.tile = attn.THREADS, attn.TILE
         specialize = getattr(kernel, "specialize", None)  # the simulator has none
+        self.compiled = None  # the compiled kernel (Numba's _Kernel), on a GPU
         if specialize is not None:
             kernel = specialize(*head, *tail, *dev.dummy_scratch(), out)
+            self.compiled = next(iter(getattr(kernel, "overloads", {}).values()), None)
         self.kernel = kernel
-        self.per_sm = self._occupancy(kernel, attn)
+        self.per_sm = self._occupancy(attn)
         self._cuda = dev.cuda
         self.grids: dict[int, tuple] = {}
 
-    def _occupancy(self, kernel, attn) -> int:
+    def _occupancy(self, attn) -> int:
         """Resident blocks per SM: the driver's figure for the compiled kernel on a GPU,
         else from its shared memory and its launch bound's register cap."""
         try:
-            compiled = next(iter(kernel.overloads.values()))
-            return max(1, compiled.max_cooperative_grid_blocks(self.threads) // self.sms)
+            blocks = self.compiled.max_cooperative_grid_blocks(self.threads)
+            return max(1, blocks // self.sms)
         except Exception:  # the simulator, or a driver without the query
             cap = 65_536 // (self.threads * attn.min_blocks_per_sm(self.spec))
             return resident_blocks(self.threads, registers=cap, shared=attn.shared_bytes(self.spec))
@@ -404,7 +406,9 @@ class _KernelPlan:
             self._cuda.to_device(np.zeros(counters, np.int32)),  # zero before a launch
         )
         launch = self.kernel[tuple(grid), self.threads]
-        if launch is self.kernel:  # the simulator configures the kernel itself, in place:
+        if self.compiled is not None:  # the parameter list prepared once (cuda_launch)
+            launch = cuda_launch.Launch(self.compiled, launch)
+        elif launch is self.kernel:  # the simulator configures the kernel itself, in place:
             # a launch kept for one split count would run with the last one configured
             dims, threads, kernel = tuple(grid), self.threads, self.kernel
 
