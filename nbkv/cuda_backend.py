@@ -60,6 +60,7 @@ class _CUDADevice:
             )
         from numba import cuda
 
+        self.simulated = simulated
         if not cuda.is_available():
             raise BackendUnavailableError(
                 "device='cuda' was asked for, but no CUDA GPU is usable in this process "
@@ -121,6 +122,27 @@ class _CUDADevice:
         if plans is None or len(plans) > _MAX_PLANS:  # many shapes: start afresh
             plans = self._local.plans = {}
         return plans
+
+    def launch(self, kernel, config, args: tuple) -> None:
+        """``kernel[config](*args)``; on a GPU through this thread's launch of the kernel
+        specialised for these arguments' types, shapes and strides, its parameter list
+        prepared once (:mod:`nbkv.cuda_launch`)."""
+        specialize = getattr(kernel, "specialize", None)
+        if self.simulated or specialize is None:  # nothing compiled: Numba launches it
+            kernel[config](*args)
+            return
+        key = (kernel, config) + tuple(
+            (a.shape, a.strides, a.dtype) if hasattr(a, "strides") else type(a) for a in args
+        )
+        launches = getattr(self._local, "launches", None)
+        if launches is None or len(launches) > _MAX_PLANS:  # many shapes: start afresh
+            launches = self._local.launches = {}
+        launch = launches.get(key)
+        if launch is None:
+            special = specialize(*args)
+            compiled = next(iter(special.overloads.values()))
+            launch = launches[key] = cuda_launch.Launch(compiled, special[config])
+        launch(*args)
 
     def empty_table(self):
         """The empty float32 array the attention kernels take as ``table`` (unread)."""
@@ -216,21 +238,21 @@ class CUDABackend(CUDAPaged):
             host = x.copy_to_host()
         return host if dtype is None or host.dtype == dtype else host.view(dtype)
 
-    def _rows(self, arrays, pair: bool):
-        """The row-wise copy kernel for these arrays (the widest aligned vector) and its
-        launch configuration."""
+    def _rows(self, arrays, pair: bool, args: tuple) -> None:
+        """Launch the row-wise copy kernel for these arrays (the widest aligned vector)
+        with ``args``."""
         x = arrays[0]
         dim = int(x.shape[3])
         vec = self._dev.vector_width(x.dtype.itemsize, dim, arrays)
         kernel = self._dev.kernels.write_rows_kernel(vec, self._bshd, pair)
         rows = int(x.shape[0]) * int(x.shape[1]) * int(x.shape[2])
-        return kernel[append_config(rows, dim, vec)]
+        self._dev.launch(kernel, append_config(rows, dim, vec), args)
 
     def write_kv(self, k, v, pos, k_cache, v_cache) -> None:
-        self._rows((k, v, k_cache, v_cache), True)(k, v, int(pos), k_cache, v_cache)
+        self._rows((k, v, k_cache, v_cache), True, (k, v, int(pos), k_cache, v_cache))
 
     def write_cache(self, x, pos, cache) -> None:
-        self._rows((x, cache), False)(x, int(pos), cache)
+        self._rows((x, cache), False, (x, int(pos), cache))
 
     # -- attention (flash-decoding, nbkv.kernels.cuda_attention) -----------------------
 
@@ -261,8 +283,9 @@ class CUDABackend(CUDAPaged):
     def attention_form(self, x):
         """Storage form on the device: float16 stays float16, bfloat16 is uint16 bits."""
         x = self.to_device(x)
-        if np.dtype(x.dtype) == np.float16 or np.dtype(x.dtype).itemsize != 2:
-            return x
+        dtype = np.dtype(x.dtype)
+        if dtype.itemsize != 2 or dtype == np.float16 or dtype == np.uint16:
+            return x  # as it is: a view of a device array costs microseconds of Python
         return x.view(np.uint16)
 
     def attention_table(self, dtype: np.dtype):

@@ -685,3 +685,48 @@ def test_bench_host_measure_times_every_contender_each_round():
     assert list(times) == list(bh.METHODS)
     assert all(len(ts) == 7 and min(ts) > 0 for ts in times.values())
     assert step.cache.seq_len == 2  # cropped back after the last call
+
+
+def test_bench_launch_main_checks_and_reports_every_launch(tmp_path):
+    bl = _bench_script("launch")
+    out = tmp_path / "launch.json"
+    data = bl.main(["--quick", "--json", str(out)])
+    assert json.loads(out.read_text())["rounds"] == data["rounds"] == 300
+    if bl.no_launch_reason():  # the simulator: a record that says so, no figures
+        assert data["skipped"] and data["results"] == {}
+        return
+    assert set(data["results"]) == set(bl.LAUNCHES)
+    params = {name: r["parameters"] for name, r in data["results"].items()}
+    assert params == {"attention": 102, "append_and_attend": 128, "append": 53}
+    for result in data["results"].values():
+        for method in bl.METHODS:
+            assert result[method]["calls"] == 300
+            assert 0 < result[method]["p10_us"] <= result[method]["median_us"]
+
+
+def test_bench_launch_check_fails_when_the_prepared_list_is_wrong(monkeypatch):
+    bl = _bench_script("launch")
+    if bl.no_launch_reason():
+        pytest.skip(bl.no_launch_reason())
+    case = bl.Case("append_and_attend", seed=0)
+    assert case.check() == 128
+    wrong = case.prepared.parameters
+
+    def stale_pointer(args):  # a new q's pointer not filled in
+        params = wrong(args)
+        params[4] = 0
+        return params
+
+    monkeypatch.setattr(case.prepared, "parameters", stale_pointer)
+    with pytest.raises(AssertionError, match="differs from Numba's"):
+        case.check()
+
+
+def test_bench_launch_gives_each_call_new_arrays_for_what_a_step_makes_anew():
+    bl = _bench_script("launch")
+    if bl.no_launch_reason():
+        pytest.skip(bl.no_launch_reason())
+    case = bl.Case("append_and_attend", seed=1)
+    a, b = case.args(), case.args()
+    arrays = [i for i, x in enumerate(a) if hasattr(x, "device_ctypes_pointer")]
+    assert [i for i in arrays if a[i] is not b[i]] == [0, 1, 2]  # q, the new k and v

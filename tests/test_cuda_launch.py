@@ -13,7 +13,6 @@ calls themselves go through it, and are compared bit for bit with Numba's launch
 from __future__ import annotations
 
 import ctypes
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -24,90 +23,13 @@ if SIMULATOR:
     pytest.skip("numba-cuda's launch code, not the simulator's", allow_module_level=True)
 
 nd = pytest.importorskip("numba.cuda.dispatcher")
-from numba.cuda.cudadrv import devicearray, devices  # noqa: E402
-from numba.cuda.typing.typeof import Purpose, typeof  # noqa: E402
+from numba.cuda.cudadrv import devicearray  # noqa: E402
 
 import nbkv  # noqa: E402
 from nbkv import cuda_launch  # noqa: E402
+from nbkv.cuda_offline import OfflineArrays, OfflineKernel, OfflineLaunch  # noqa: E402
 
 GPU = DEVICE == "cuda" and not SIMULATOR
-
-
-class _Memory:
-    """Device memory as a device array holds it: a pointer, nothing behind it."""
-
-    def __init__(self, pointer: int) -> None:
-        self.device_ctypes_pointer = ctypes.c_size_t(pointer)
-
-
-class _Arrays:
-    """Numba device arrays over fake memory, each at an address of its own."""
-
-    def __init__(self, rng: np.random.Generator) -> None:
-        self.rng = rng
-        self.address = int(rng.integers(1 << 30, 1 << 38)) << 8
-
-    def like(self, a):
-        """An array of ``a``'s dtype, shape and strides, elsewhere (a size-0 one as is)."""
-        if a.size == 0:
-            return a
-        self.address += int(self.rng.integers(1, 1 << 12)) << 20
-        return devicearray.DeviceNDArray(
-            a.shape, a.strides, a.dtype, gpu_data=_Memory(self.address)
-        )
-
-    def __call__(self, shape, dtype, pad: int = 0):
-        """A C-ordered array of ``shape``, or with ``pad`` more elements along every
-        axis's stride (a strided view of a larger buffer)."""
-        dtype = np.dtype(dtype)
-        strides, step = [], dtype.itemsize
-        for n in reversed(shape):
-            strides.insert(0, step)
-            step *= n + pad
-        if 0 in shape:  # a size-0 array has a null pointer, which asks for a context
-            with mock.patch.object(devices, "get_context", lambda *a: None):
-                return devicearray.DeviceNDArray(tuple(shape), tuple(strides), dtype)
-        self.address += int(self.rng.integers(1, 1 << 12)) << 20
-        return devicearray.DeviceNDArray(
-            tuple(shape), tuple(strides), dtype, gpu_data=_Memory(self.address)
-        )
-
-
-class _Library:
-    """A compiled kernel's code library: it gives the kernel function."""
-
-    def __init__(self) -> None:
-        self.kernel = object()
-
-    def get_cufunc(self):
-        return self
-
-
-class _Compiled:
-    """A compiled kernel as numba-cuda's ``_Kernel`` is, without a GPU: Numba's own
-    marshalling and launch methods, the argument types Numba's typeof gives."""
-
-    _prepare_args = nd._Kernel._prepare_args
-    launch = nd._Kernel.launch
-
-    def __init__(self, args, debug: bool = False) -> None:
-        self.argument_types = tuple(typeof(a, Purpose.argument) for a in args)
-        self.extensions: list = []
-        self.debug = debug
-        self.cooperative = False
-        self._codelibrary = _Library()
-
-
-class _Configured:
-    """What ``dispatcher[grid, block]`` is: a launch through Numba."""
-
-    def __init__(self, compiled: _Compiled, grid, block) -> None:
-        self.compiled = compiled
-        self.griddim, self.blockdim, self.sharedmem = grid, block, 0
-        self.stream = object()
-
-    def __call__(self, *args) -> None:
-        self.compiled.launch(args, self.griddim, self.blockdim, self.stream, self.sharedmem)
 
 
 @pytest.fixture
@@ -128,7 +50,7 @@ def _same_call(a, b) -> None:
     assert cuda_launch._same(list(a[3]), list(b[3]))
 
 
-def _attention_args(arrays: _Arrays, rng: np.random.Generator, *, fused: bool, bshd: bool):
+def _attention_args(arrays: OfflineArrays, rng: np.random.Generator, *, fused: bool, bshd: bool):
     """Arguments as ``CUDABackend._launch`` passes them: head, tail, scratch, out; sizes,
     dtypes and strides drawn at random (bfloat16 is ``uint16`` bits)."""
     batch, kv_heads = int(rng.integers(1, 5)), int(rng.integers(1, 9))
@@ -161,7 +83,7 @@ def _attention_args(arrays: _Arrays, rng: np.random.Generator, *, fused: bool, b
     return (*head, *tail, *scratch, arrays(q.shape, q_dtype))
 
 
-def _renewed(arrays: _Arrays, args: tuple, rng: np.random.Generator) -> tuple:
+def _renewed(arrays: OfflineArrays, args: tuple, rng: np.random.Generator) -> tuple:
     """The same kinds of arguments at new addresses, with new scalars: the next call."""
     out = []
     for a in args:
@@ -191,10 +113,10 @@ def _is_array(a) -> bool:
 @pytest.mark.parametrize("seed", range(6))
 def test_a_prepared_launch_passes_what_numba_passes(recorder, seed, fused, bshd):
     rng = np.random.default_rng([seed, fused, bshd])
-    arrays = _Arrays(rng)
+    arrays = OfflineArrays(rng)
     args = _attention_args(arrays, rng, fused=fused, bshd=bshd)
-    compiled = _Compiled(args)
-    configured = _Configured(compiled, (int(rng.integers(1, 67)), 8, 2), (128, 1, 1))
+    compiled = OfflineKernel(args)
+    configured = OfflineLaunch(compiled, (int(rng.integers(1, 67)), 8, 2), (128, 1, 1))
     launch = cuda_launch.Launch(compiled, configured)
     assert launch.prepared is None
     for call in range(4):  # the first call prepares; then new addresses and scalars
@@ -212,10 +134,10 @@ def test_a_prepared_launch_passes_what_numba_passes(recorder, seed, fused, bshd)
 
 
 def _prepared(rng, fused=True, bshd=False):
-    arrays = _Arrays(rng)
+    arrays = OfflineArrays(rng)
     args = _attention_args(arrays, rng, fused=fused, bshd=bshd)
-    compiled = _Compiled(args)
-    configured = _Configured(compiled, (3, 2, 1), (128, 1, 1))
+    compiled = OfflineKernel(args)
+    configured = OfflineLaunch(compiled, (3, 2, 1), (128, 1, 1))
     return arrays, args, compiled, configured
 
 
@@ -225,12 +147,7 @@ def test_an_array_of_other_strides_or_shape_goes_through_numba(recorder, rng):
     assert isinstance(prepared, cuda_launch.PreparedLaunch)
     k_cache = args[4]
     for other in (
-        devicearray.DeviceNDArray(
-            k_cache.shape,
-            tuple(s * 2 for s in k_cache.strides),
-            k_cache.dtype,
-            gpu_data=_Memory(1 << 40),
-        ),  # fmt: skip
+        arrays(k_cache.shape, k_cache.dtype, pad=1),  # other strides
         arrays(k_cache.shape[:2] + (k_cache.shape[2] + 1,) + k_cache.shape[3:], k_cache.dtype),
     ):
         changed = args[:4] + (other,) + args[5:]
@@ -238,8 +155,8 @@ def test_an_array_of_other_strides_or_shape_goes_through_numba(recorder, rng):
         prepared(*changed)
         configured(*changed)
         _same_call(*recorder)  # Numba's parameters for the changed arguments
-        if other.shape == k_cache.shape:
-            assert recorder[0][3][_parameter_count(args[:4]) + 4] == 1 << 40  # its pointer
+        pointer = recorder[0][3][_parameter_count(args[:4]) + 4]
+        assert pointer == other.device_ctypes_pointer.value
         recorder.clear()
 
 
@@ -253,8 +170,8 @@ def _declined(monkeypatch, rng, recorder, how: str):
         del compiled._codelibrary
     elif how == "a scalar it does not convert":  # a float16 scalar: Numba's own case
         args = args[:6] + (np.float16(0.5),) + args[7:]
-        compiled = _Compiled(args)
-        configured = _Configured(compiled, (3, 2, 1), (128, 1, 1))
+        compiled = OfflineKernel(args)
+        configured = OfflineLaunch(compiled, (3, 2, 1), (128, 1, 1))
     elif how == "conversions that differ from Numba's":
         monkeypatch.setattr(cuda_launch, "_scalar_converter", lambda ty: ctypes.c_int32)
     elif how == "a host array":  # Numba would copy it to the device: not prepared
@@ -299,7 +216,7 @@ def test_turning_it_off_sends_a_prepared_launch_through_numba(monkeypatch, recor
         calls.append(1)
         return numba_launch(*a, **k)
 
-    monkeypatch.setattr(_Compiled, "launch", counted)
+    monkeypatch.setattr(OfflineKernel, "launch", counted)
     launch(*args)
     assert calls == [1]  # through Numba's launch
     _same_call(*recorder)
@@ -339,3 +256,52 @@ def test_on_a_gpu_prepared_launches_give_numba_launches_bits(monkeypatch, rng, d
         results.append(calls)
     for a, b in zip(*results, strict=True):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+class _Dispatcher:
+    """A kernel as Numba's dispatcher is, without a GPU: ``specialize`` types it for
+    arguments (counted) and gives a dispatcher with one overload and a launch."""
+
+    def __init__(self) -> None:
+        self.specialised: list = []
+
+    def specialize(self, *args):
+        compiled = OfflineKernel(args)
+        self.specialised.append(compiled)
+        return _Special(compiled)
+
+
+class _Special:
+    def __init__(self, compiled: OfflineKernel) -> None:
+        self.overloads = {compiled.argument_types: compiled}
+
+    def __getitem__(self, config):
+        blocks, threads = config
+        return OfflineLaunch(self.overloads[next(iter(self.overloads))], blocks, threads)
+
+
+def test_the_devices_launch_prepares_once_per_signature(recorder, rng):
+    """``_CUDADevice.launch`` (the copy kernels' launch): one specialisation and prepared
+    launch per kernel, configuration and argument signature; each call passes what
+    Numba's launch of the same arguments would."""
+    import threading
+
+    from nbkv.cuda_backend import _CUDADevice
+
+    dev = object.__new__(_CUDADevice)  # no GPU here: only what launch uses
+    dev._local, dev.simulated = threading.local(), False
+    kernel, arrays = _Dispatcher(), OfflineArrays(rng)
+    k, cache = arrays((1, 8, 1, 128), np.float16), arrays((1, 8, 4096, 128), np.float16)
+    config = (1, (16, 16))
+    for pos in (0, 1, 4095):
+        args = (arrays.like(k), arrays.like(k), pos, cache, arrays.like(cache))
+        dev.launch(kernel, config, args)
+        assert len(kernel.specialised) == 1
+        kernel.specialised[0].launch(args, 1, (16, 16), recorder[0][0], 0)
+        _same_call(*recorder)
+        recorder.clear()
+    other = arrays((2, 8, 1, 128), np.float16)  # another signature: specialised anew
+    dev.launch(kernel, config, (other, other, 3, cache, cache))
+    dev.launch(kernel, (2, (16, 16)), (k, k, 3, cache, cache))  # another configuration
+    assert len(kernel.specialised) == 3
+    assert [r[1].grid for r in recorder] == [(1, 1, 1), (2, 1, 1)]
