@@ -20,9 +20,25 @@ numba-cuda 0.30's launch does) and "prepared" (``PreparedLaunch.parameters``). E
 gets new array objects for what a decode step makes anew (q and the new rows; the cache,
 scratch and out are kept), made outside the timer, so that Numba's per-array work that it
 caches on an array object is counted as a decode step pays it. Before timing, the two
-lists are checked equal. Left out of both (the same for both): ``cuda.core``'s launch
-(its packing of the list, the driver call) and nbkv's Python before the launch
-(``bench_host.py`` on a CPU; ``bench_cuda.py``'s host part on a GPU).
+lists are checked equal. This is the marshalling alone: left out are ``cuda.core``'s
+launch (its packing of the list, the driver call), Numba's per-launch ``LaunchConfig``
+and dispatcher call (which the prepared path does not make) and the prepared path's
+look-up of the kernel function, and nbkv's Python before the launch (the second part).
+
+Then the whole decode step on the CUDA backend, without a GPU
+(:func:`nbkv.cuda_offline.offline_cuda`: every launch recorded instead of run, all of
+nbkv's Python and the launches' marshalling run): a float16 ``LayerKVCache(device="cuda")``
+holding 1,024 positions, cropped back before each call (outside the timer), q, k and v new
+device arrays each call (as a model's step makes them), ``out`` kept. Steps:
+``append_and_attend(q, k, v, cache, out=out)`` (one fused launch), ``cache.append(k, v)``
+then ``attention(q, cache, out=out)`` (two launches), ``attention`` alone, ``append``
+alone; each with the prepared launches ("prepared") and through Numba's launch code
+("numba", ``nbkv.cuda_launch.ENABLED = False``; its ``_Kernel.launch``, not the
+dispatcher's ``call`` around it, so Numba's figure is if anything low). Checked first: the
+launches each step records, and the same parameter lists both ways. The issue's GPU
+target, at most 10 us of host time per layer per decode step for append plus attention,
+is printed beside ``append_and_attend``: what is measured here leaves out ``cuda.core``'s
+launch and the driver's, which only a GPU machine can time (``bench_cuda.py``).
 
 Usage: ``python benchmarks/bench_launch.py [--quick] [--json P]``.
 """
@@ -50,6 +66,14 @@ from _machine import machine  # noqa: E402  (this folder is on sys.path)
 HEADS, KV_HEADS, DIM, CAPACITY, HELD = 32, 8, 128, 4096, 1024
 LAUNCHES = ("attention", "append_and_attend", "append")
 METHODS = ("numba", "prepared")
+STEPS = {  # the launches each step records
+    "append_and_attend": ["append_and_attend"],
+    "append + attention": ["append", "attention"],
+    "attention": ["attention"],
+    "append": ["append"],
+}
+PARAMETERS = {"attention": 102, "append_and_attend": 128, "append": 53}
+GPU_TARGET_US = 10.0
 
 
 def no_launch_reason() -> str | None:
@@ -123,6 +147,82 @@ class Case:
         return len(want)
 
 
+class Step:
+    """One layer's decode step on the CUDA backend without a GPU (see the docstring)."""
+
+    def __init__(self, launches: list, seed: int) -> None:
+        from nbkv import cuda_launch
+        from nbkv.cuda_offline import OfflineArrays
+
+        self.launches, self.switch = launches, cuda_launch
+        self.arrays = arrays = OfflineArrays(np.random.default_rng(seed))
+        self.cache = nbkv.LayerKVCache(
+            CAPACITY, batch=1, num_kv_heads=KV_HEADS, head_dim=DIM, dtype="float16",
+            device="cuda",
+        )  # fmt: skip
+        held = arrays((1, KV_HEADS, HELD, DIM), np.float16)
+        self.cache.append(held, held)
+        self.q = arrays((1, HEADS, 1, DIM), np.float32)
+        self.k = arrays((1, KV_HEADS, 1, DIM), np.float16)
+        self.out = arrays(self.q.shape, np.float32)
+
+    def inputs(self) -> tuple:
+        """New q, k and v device arrays (no values: nothing runs)."""
+        like = self.arrays.like
+        return like(self.q), like(self.k), like(self.k)
+
+    def run(self, name: str, q, k, v) -> None:
+        cache, out = self.cache, self.out
+        if name == "append_and_attend":
+            nbkv.append_and_attend(q, k, v, cache, out=out)
+        elif name == "append + attention":
+            cache.append(k, v)
+            nbkv.attention(q, cache, out=out)
+        elif name == "attention":
+            nbkv.attention(q, cache, out=out)
+        else:
+            cache.append(k, v)
+
+    def call(self, name: str, method: str, inputs: tuple) -> int:
+        """Nanoseconds of one step, the cache cropped back and the record cleared first."""
+        self.cache.crop(HELD)
+        self.launches.clear()
+        self.switch.ENABLED = method == "prepared"
+        t0 = time.perf_counter_ns()
+        self.run(name, *inputs)
+        return time.perf_counter_ns() - t0
+
+    def check(self) -> None:
+        """Each step records its launches, with the same parameters both ways."""
+        for name, kinds in STEPS.items():
+            inputs, lists = self.inputs(), []
+            for method in METHODS:
+                self.call(name, method, inputs)
+                got = [len(params) for _, _, _, params in self.launches]
+                if got != [PARAMETERS[kind] for kind in kinds]:
+                    raise AssertionError(f"{name}: launched {got} parameters, not {kinds}")
+                lists.append([list(params) for _, _, _, params in self.launches])
+            if not all(self.switch._same(a, b) for a, b in zip(*lists, strict=True)):
+                raise AssertionError(f"{name}: the prepared launches differ from Numba's")
+        self.switch.ENABLED = True
+
+
+def measure_steps(step: Step, rounds: int, warmup: int) -> dict[str, dict[str, list[int]]]:
+    """Nanoseconds per step, each step and method once a round, the order rotating."""
+    combos = [(name, method) for name in STEPS for method in METHODS]
+    times: dict = {name: {m: [] for m in METHODS} for name in STEPS}
+    try:
+        for r in range(warmup + rounds):
+            shift = r % len(combos)
+            for name, method in combos[shift:] + combos[:shift]:
+                t = step.call(name, method, step.inputs())
+                if r >= warmup:
+                    times[name][method].append(t)
+    finally:
+        step.switch.ENABLED = True
+    return times
+
+
 def measure(case: Case, rounds: int, warmup: int) -> dict[str, list[int]]:
     """Nanoseconds per call of each method, alternating, new arguments for each call."""
     times: dict[str, list[int]] = {m: [] for m in METHODS}
@@ -171,6 +271,22 @@ def main(argv: list[str] | None = None) -> dict:
             numba, prepared = result["numba"]["median_us"], result["prepared"]["median_us"]
             print(f"{name:<19} {n:>10} {numba:>9.2f} {prepared:>11.2f} {numba / prepared:>5.1f}x")
         print("medians; p10 and p90 are in the JSON. Not counted: cuda.core's launch itself.")
+        from nbkv.cuda_offline import offline_cuda
+
+        with offline_cuda() as launches:
+            step = Step(launches, seed=7)
+            step.check()
+            steps = measure_steps(step, rounds, warmup)
+        data["steps"] = {n: {m: summary(t) for m, t in r.items()} for n, r in steps.items()}
+        print()
+        print("one layer's decode step on the CUDA backend, no GPU (launches recorded, not run)")
+        print(f"{'step':<19} {'numba us':>9} {'prepared us':>11} {'ratio':>6}")
+        for name, result in data["steps"].items():
+            numba, prepared = result["numba"]["median_us"], result["prepared"]["median_us"]
+            line = f"{name:<19} {numba:>9.2f} {prepared:>11.2f} {numba / prepared:>5.1f}x"
+            if name == "append_and_attend":
+                line += f"   (the GPU's target: {GPU_TARGET_US:.0f} us, a launch included)"
+            print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
     return data

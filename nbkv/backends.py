@@ -27,6 +27,8 @@ process-wide :class:`_CUDADevice` and the attention launch plans) lives in
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import numpy as np
@@ -60,6 +62,9 @@ class Backend(Protocol):
     # append_attend is one launch, worth checking and staging an append for; else it is
     # write_kv then attend, and append_and_attend runs the cache's append then attention
     fused_append_attend: bool
+    # the class of the arrays this backend computes on (np.ndarray; Numba's device array
+    # class): a cache's append fast path takes exactly these, anything else the full checks
+    array_type: type
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         """An uninitialised user-form buffer on the device."""
@@ -86,7 +91,8 @@ class Backend(Protocol):
         """Write one array at positions ``[pos, pos + n)`` of one cache."""
 
     def attention_form(self, x: Any) -> Any:
-        """What the attention kernels read of a K/V array (16-bit as the kernels want)."""
+        """What the attention kernels read of a K/V array (16-bit as the kernels want);
+        ``write_kv`` takes it too."""
 
     def attention_arrays(self, q: Any, acc: np.dtype, out: Any) -> tuple[Any, Any, Any]:
         """``(q for the kernel, array the kernel writes, array returned)``."""
@@ -136,6 +142,7 @@ class CPUBackend(CPUPaged):
 
     name = "cpu"
     fused_append_attend = False  # append_attend: two cached kernels back to back
+    array_type = np.ndarray
 
     # the kernel table: layout -> (write_kv, write_cache)
     _KERNELS = {
@@ -243,6 +250,24 @@ def get_backend(device: object, layout: object = "bhsd") -> Backend:
             backend = CUDABackend(_CUDA_DEVICE[0], layout)
         _BACKENDS[key] = backend
     return backend
+
+
+@contextmanager
+def cuda_device(device: _CUDADevice) -> Iterator[None]:
+    """``device="cuda"`` backed by ``device`` inside the block (for
+    :func:`nbkv.cuda_offline.offline_cuda`); the CUDA backends made before are set aside,
+    and restored after."""
+    saved = list(_CUDA_DEVICE), {k: b for k, b in _BACKENDS.items() if k[0] == "cuda"}
+    for key in saved[1]:
+        del _BACKENDS[key]
+    _CUDA_DEVICE[:] = [device]
+    try:
+        yield
+    finally:
+        for key in [k for k in _BACKENDS if k[0] == "cuda"]:
+            del _BACKENDS[key]
+        _BACKENDS.update(saved[1])
+        _CUDA_DEVICE[:] = saved[0]
 
 
 def to_host(x: Any, dtype: Any = None) -> np.ndarray:

@@ -198,17 +198,18 @@ class LayerKVCache(BaseKVCache):
         CacheOverflowError
             ``seq_len + n > max_seq_len``; the message says how many positions are free.
         """
-        # Fast path for the decode loop: host arrays of the very shape and dtype the last
-        # append validated need only the room check. It is taken on the CPU backend (16-bit
-        # data seen as their uint16 bits, as the kernels take them); anything else goes
-        # through every check below.
+        # Fast path for the decode loop: arrays of the backend's own class (host arrays on
+        # the CPU, Numba device arrays on CUDA) of the very shape and dtype the last append
+        # validated need only the room check; written to the buffers in the form the
+        # kernels take (16-bit data seen as uint16 bits on the CPU, float16 as it is on
+        # CUDA, where a Numba view costs microseconds). Anything else takes every check.
         pos = self._seq_len
         fast = self._fast
         if fast is not None:
-            shape, dtype, last_pos, n, write, k_buf, v_buf, bits = fast
+            kind, shape, dtype, last_pos, n, write, k_buf, v_buf, bits = fast
             if (
-                type(k) is _ndarray
-                and type(v) is _ndarray
+                type(k) is kind
+                and type(v) is kind
                 and k.shape == shape
                 and v.shape == shape
                 and k.dtype is dtype
@@ -225,11 +226,12 @@ class LayerKVCache(BaseKVCache):
         undo = self.commit_append(self.stage_append(plan), undoable=undoable)
         be = self._backend
         k, n = plan.k, plan.dims.seq
-        if n and be.name == "cpu" and type(k) is _ndarray and type(plan.v) is _ndarray:
+        kind = be.array_type
+        if n and type(k) is kind and type(plan.v) is kind and k.dtype == plan.v.dtype:
+            k_buf, v_buf = be.attention_form(self._k), be.attention_form(self._v)
+            bits = None if k.dtype == k_buf.dtype else k_buf.dtype
             last_pos = self._max_seq_len - n
-            bits = None if self._kk.dtype == self._dtype else self._kk.dtype
-            fast = (k.shape, k.dtype, last_pos, n, be.write_kv, self._kk, self._vk, bits)
-            self._fast = fast
+            self._fast = (kind, k.shape, k.dtype, last_pos, n, be.write_kv, k_buf, v_buf, bits)
         return undo
 
     def _back_to(self, held: int) -> Callable[[], None]:

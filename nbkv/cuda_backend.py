@@ -75,6 +75,7 @@ class _CUDADevice:
 
         self.cuda = cuda
         self.is_device_array = is_cuda_ndarray
+        self.array_type = type(cuda.device_array(1, np.uint8))  # what device_array makes
         self.kernels = cuda_kernels
         self.vector_width = vector_width
         self._attention = None  # nbkv.kernels.cuda_attention, compiled on first use
@@ -183,6 +184,7 @@ class CUDABackend(CUDAPaged):
         self._write_kv_kernel = k.write_kv_bshd_kernel if bshd else k.write_kv_kernel
         self._write_cache_kernel = k.write_cache_bshd_kernel if bshd else k.write_cache_kernel
         self._bshd = bshd
+        self.array_type = device.array_type
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype):
         """An uninitialised device buffer; bfloat16 stored as ``uint16``."""

@@ -8,18 +8,25 @@ about 60 us of Python per launch on a 2-core Zen 4 guest, the attention kernel's
 parameters about 46 us, the append's 53 about 25 us (``benchmarks/bench_launch.py``):
 several times everything else in a decode step.
 
-A launch signature's arrays keep their dtypes, shapes and strides from one call to
-the next (they are the plan's key), so only their data pointers and the scalars change.
-:func:`prepare` builds the parameter list once, by Numba's own marshalling of a real call's
-arguments, records which entries are pointers and scalars, and checks that its own
-conversion of every argument gives what Numba gives. :class:`PreparedLaunch` then fills in
-those entries and hands the list to the same ``cuda.core`` launch Numba would call, with
-the same kernel function, configuration and stream.
+The arrays of one launch signature keep their dtypes, shapes and strides from one call
+to the next (nbkv keys its launches by them, or validates them against those that are
+keys, as ``v`` against ``k``), so only their data pointers and the scalars change.
+:func:`prepare` builds the parameter list once, by Numba's own marshalling of a real
+call's arguments, records which entries are pointers and scalars, and checks that its own
+fill-in of those arguments gives exactly Numba's list. :class:`PreparedLaunch` then fills
+in those entries (refusing, with ``TypeError``, an array unlike the one it was prepared
+with) and hands the list to the same ``cuda.core`` launch Numba would call, with the same
+kernel function (looked up per call, as Numba does), configuration and stream. What
+Numba's launch does besides, for a specialised kernel, is nothing these launches need:
+no writeback (device arrays only), no debug exception check (debug kernels are not
+prepared), no retyping; its pre-launch callbacks, if any are added, send the launch
+through Numba.
 
 This relies on numba-cuda internals (``_Kernel._prepare_args``, its code library's
 ``get_cufunc``, the ``launch`` and ``LaunchConfig`` its dispatcher imports from
-``cuda.core``): :func:`prepare` returns None wherever they are not as expected, or an
-argument is of a kind it does not handle, and the caller then launches through Numba.
+``cuda.core``): :func:`prepare` returns None wherever they are not as expected, an
+argument is of a kind it does not handle, or numba-cuda is not a version
+:data:`TESTED_NUMBA_CUDA` names, and the caller then launches through Numba.
 ``NBKV_CUDA_PREPARED_LAUNCH=0`` in the environment, or ``nbkv.cuda_launch.ENABLED = False``
 at any time, turns it off.
 """
@@ -28,11 +35,26 @@ from __future__ import annotations
 
 import ctypes
 import os
+from functools import lru_cache
 from typing import Any
 
 ENABLED = os.environ.get("NBKV_CUDA_PREPARED_LAUNCH", "1") != "0"
 
 _POINTER = 4  # an array's data pointer: after meminfo, parent, size and itemsize
+# numba-cuda versions whose launch code (_Kernel.launch, _prepare_args, the dispatcher's
+# call) this was checked against; any other launches through Numba
+TESTED_NUMBA_CUDA = ("0.30.",)
+
+
+@lru_cache(maxsize=1)
+def tested_numba_cuda() -> bool:
+    """Whether the installed numba-cuda is one :data:`TESTED_NUMBA_CUDA` names."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("numba-cuda").startswith(TESTED_NUMBA_CUDA)
+    except PackageNotFoundError:
+        return False
 
 
 def _pointer(x) -> Any:
@@ -51,8 +73,12 @@ def _scalar_converter(ty) -> Any:
     if ty == types.float64:
         return ctypes.c_double
     if ty == types.boolean:
-        return bool
+        return _as_is  # Numba passes a boolean as it is (bool or np.bool_)
     return None
+
+
+def _as_is(x):
+    return x
 
 
 def _same(a: list, b: list) -> bool:
@@ -68,35 +94,60 @@ def _same(a: list, b: list) -> bool:
 class PreparedLaunch:
     """One compiled kernel, one launch configuration, a parameter list made once.
 
-    ``launch(*args)`` launches with the pointers and scalars of ``args`` filled in; every
-    array of ``args`` must have the dtype, shape and strides the list was prepared with
-    (an array that does not is launched through Numba instead, which is always right)."""
+    ``launch(*args)`` launches with the pointers and scalars of ``args`` filled in. Every
+    array of ``args`` must be a Numba device array of the dtype, shape and strides the
+    list was prepared with: anything else raises ``TypeError`` (the kernel was compiled
+    for those; Numba's launch of a specialised kernel would not retype it either, and a
+    C-ordered kernel given other strides reads the wrong elements). The callers key their
+    launches by all of these, so it does not happen in nbkv. A callback added to the
+    configured launch since (Numba's ``pre_launch_callbacks``) sends the launch through
+    Numba, which runs it."""
 
     def __init__(self, compiled, configured, template, slots, arrays, launch, config) -> None:
-        self._library = compiled._codelibrary
-        self._fallback = configured
+        self._library = compiled.library
+        self._configured = configured
         self._stream = configured.stream
-        self._template = template
-        self._slots = slots  # (argument index, parameter index, conversion)
-        self._arrays = arrays  # (argument index, shape, strides)
+        self._params = template.copy()  # the last list: only what changes is filled in
+        pointers = {i: j for i, j, convert in slots if convert is _pointer}
+        # (argument index, parameter index, type, dtype, shape, strides) per array
+        self._arrays = [(i, pointers[i], *rest) for i, *rest in arrays]
+        self._seen: list = [None] * len(arrays)  # the array last passed in each place
+        self._scalars = [slot for slot in slots if slot[2] is not _pointer]
         self._launch = launch
         self._config = config
 
-    def parameters(self, args: tuple) -> list | None:
-        """The parameter list for ``args``; None if an array's shape or strides differ."""
-        for i, shape, strides in self._arrays:
+    def parameters(self, args: tuple) -> list:
+        """The parameter list for ``args`` (``TypeError`` for an array unlike the one it
+        was prepared with), valid until the next call. An array that is the one passed
+        in its place last time is neither checked nor read again (so the last arrays are
+        kept alive until the next call)."""
+        params, seen = self._params, self._seen
+        for n, (i, j, kind, dtype, shape, strides) in enumerate(self._arrays):
             x = args[i]
-            if x.shape != shape or x.strides != strides:
-                return None
-        params = self._template.copy()
-        for i, j, convert in self._slots:
+            if x is seen[n]:  # the cache's buffers, scratch, often out: as they were
+                continue
+            if (
+                x.shape != shape
+                or x.strides != strides
+                or type(x) is not kind
+                or (x.dtype is not dtype and x.dtype != dtype)  # identity: the usual case
+            ):
+                raise TypeError(
+                    f"argument {i} of a prepared launch must be a {kind.__name__} of dtype "
+                    f"{dtype}, shape {shape} and strides {strides}, got {type(x).__name__} "
+                    f"{getattr(x, 'dtype', '')} {getattr(x, 'shape', '')} "
+                    f"{getattr(x, 'strides', '')}"
+                )
+            params[j] = _pointer(x)
+            seen[n] = x
+        for i, j, convert in self._scalars:
             params[j] = convert(args[i])
         return params
 
     def __call__(self, *args) -> None:
         params = self.parameters(args)
-        if params is None:
-            self._fallback(*args)
+        if getattr(self._configured, "pre_launch_callbacks", None):
+            self._configured(*args)  # Numba runs the callbacks, then launches
             return
         kernel = self._library.get_cufunc().kernel  # per call: the current device's
         self._launch(self._stream, self._config, kernel, *params)
@@ -107,7 +158,7 @@ def prepare(compiled, configured, args: tuple) -> PreparedLaunch | None:
     (what ``dispatcher[grid, block]`` returns), for arguments like ``args``; None where
     this numba-cuda, the kernel or an argument is not what it handles, or where the
     prepared list for ``args`` is not exactly the one Numba makes."""
-    if not ENABLED:
+    if not ENABLED or not tested_numba_cuda():
         return None
     try:
         from numba.cuda import dispatcher as nd
@@ -117,7 +168,7 @@ def prepare(compiled, configured, args: tuple) -> PreparedLaunch | None:
         kinds = tuple(compiled.argument_types)
         if compiled.debug or compiled.extensions or len(kinds) != len(args):
             return None
-        compiled._codelibrary.get_cufunc  # noqa: B018 -- present, or no prepared launch
+        compiled.library.get_cufunc  # noqa: B018 -- present, or no prepared launch
         slots, arrays = [], []
         start = 0
         for i, (ty, value) in enumerate(zip(kinds, args, strict=True)):
@@ -125,7 +176,7 @@ def prepare(compiled, configured, args: tuple) -> PreparedLaunch | None:
                 if type(value) is not DeviceNDArray:  # a host array Numba would copy
                     return None
                 slots.append((i, start + _POINTER, _pointer))
-                arrays.append((i, value.shape, value.strides))
+                arrays.append((i, DeviceNDArray, value.dtype, value.shape, value.strides))
                 start += 5 + 2 * ty.ndim
             else:
                 convert = _scalar_converter(ty)
@@ -140,6 +191,8 @@ def prepare(compiled, configured, args: tuple) -> PreparedLaunch | None:
         prepared = PreparedLaunch(compiled, configured, template, slots, arrays, nd.launch, config)
         if not _same(prepared.parameters(args), template):
             return None
+        if getattr(configured, "pre_launch_callbacks", None):
+            return None  # Numba runs them
     except (AttributeError, ImportError, TypeError, ValueError):
         return None  # another numba-cuda: launch through Numba
     return prepared
@@ -177,11 +230,11 @@ class Launch:
 
     def __call__(self, *args) -> None:
         run = self._run
-        if run is None:
+        if not ENABLED:  # turned off (for now): through Numba
+            run = self._configured
+        elif run is None:
             run = prepare(self._compiled, self._configured, args) or self._configured
             self._run = run
-        elif not ENABLED:  # turned off since: through Numba from now on
-            run = self._configured
         run(*args)
 
     @property

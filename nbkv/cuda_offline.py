@@ -1,17 +1,27 @@
-"""Numba's CUDA launch code without a GPU, for :mod:`nbkv.cuda_launch`'s tests and its
-benchmark (``benchmarks/bench_launch.py``).
+"""nbkv's CUDA backend and Numba's launch code without a GPU, to measure and test their
+Python: :mod:`nbkv.cuda_launch`'s tests and ``benchmarks/bench_launch.py``.
 
-Numba device arrays over fake device memory (a pointer with nothing behind it), a
-compiled kernel that has numba-cuda's own argument marshalling and launch methods
-(``_Kernel._prepare_args``, ``_Kernel.launch``) and the argument types Numba's typeof
-gives, and a configured launch. Nothing here touches a GPU: the launch ends in whatever
-``numba.cuda.dispatcher.launch`` is (``cuda.core``'s, which needs a GPU, unless a test
-replaces it). Needs numba-cuda, and not the simulator.
+- :class:`OfflineArrays`: Numba device arrays over fake device memory (a pointer with
+  nothing behind it);
+- :class:`OfflineKernel`: a compiled kernel with numba-cuda's own argument marshalling
+  and launch methods (``_Kernel._prepare_args``, ``_Kernel.launch``), typed as Numba
+  types its arguments; :class:`OfflineLaunch`: one configured launch of it;
+- :func:`offline_cuda`: ``device="cuda"`` on such arrays and kernels inside a ``with``
+  block, every launch recorded (kernel, configuration, parameter list) instead of run.
+  All of nbkv's Python runs, and Numba's or the prepared marshalling; no kernel does, so
+  nothing a cache holds or a call returns has values.
+
+Nothing here touches a GPU: a launch ends in whatever ``numba.cuda.dispatcher.launch``
+is (``cuda.core``'s, which needs a GPU, unless replaced, as :func:`offline_cuda` does).
+Needs numba-cuda, and not the simulator.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from unittest import mock
 
 import numpy as np
@@ -81,7 +91,11 @@ class OfflineKernel:
         self.extensions: list = []
         self.debug = debug
         self.cooperative = False
-        self._codelibrary = _Library()
+        self._codelibrary = _Library()  # what Numba's launch reads
+
+    @property
+    def library(self) -> _Library:
+        return self._codelibrary
 
 
 class OfflineLaunch:
@@ -94,3 +108,113 @@ class OfflineLaunch:
 
     def __call__(self, *args) -> None:
         self.kernel.launch(args, self.griddim, self.blockdim, self.stream, self.sharedmem)
+
+
+class _Dispatcher:
+    """A kernel as a Numba dispatcher is: ``specialize`` types it for arguments and gives
+    a dispatcher with one overload, which ``[grid, block]`` configures."""
+
+    def specialize(self, *args) -> _Dispatcher:
+        special = _Dispatcher()
+        special.overloads = {"offline": OfflineKernel(args)}
+        return special
+
+    def __getitem__(self, config) -> OfflineLaunch:
+        grid, block = config
+        overloads = getattr(self, "overloads", None)
+        if overloads is None:  # a launch without specialising first: typed per call
+            return _Untyped(grid, block)
+        return OfflineLaunch(overloads["offline"], grid, block)
+
+
+class _Untyped:
+    def __init__(self, grid, block) -> None:
+        self.grid, self.block = grid, block
+
+    def __call__(self, *args) -> None:
+        OfflineLaunch(OfflineKernel(args), self.grid, self.block)(*args)
+
+
+class _Kernels:
+    """A kernel module (``nbkv.kernels.cuda``, ``nbkv.kernels.cuda_attention``) with every
+    kernel, kernel family and kernel factory it has standing for offline kernels."""
+
+    def __init__(self, module) -> None:
+        self._module = module
+        self._made: dict = {}
+
+    def __getattr__(self, name: str):
+        value = getattr(self._module, name)
+        family = getattr(self._module, "KernelFamily", None)
+        if family is not None and isinstance(value, family):
+            return self._made.setdefault(name, _Family(value))
+        if name.endswith("_kernel"):
+            if callable(value) and not hasattr(value, "py_func"):  # a factory
+                return lambda *key: self._made.setdefault((name, key), _Dispatcher())
+            return self._made.setdefault(name, _Dispatcher())
+        return value
+
+
+class _Family:
+    """A kernel family (``nbkv.kernels.cuda_attention.KernelFamily``): its specialisations
+    offline kernels."""
+
+    def __init__(self, family) -> None:
+        self.fused, self.spec = family.fused, family.spec
+        self._made: dict = {}
+
+    def specialise(self, spec) -> _Dispatcher:
+        return self._made.setdefault(spec, _Dispatcher())
+
+
+class _Cuda:
+    """The part of ``numba.cuda`` the CUDA backend allocates and copies with."""
+
+    def __init__(self, arrays: OfflineArrays) -> None:
+        self._arrays = arrays
+
+    def device_array(self, shape, dtype):
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        return self._arrays(shape, dtype)
+
+    def to_device(self, host):
+        return self._arrays(np.shape(host), np.asarray(host).dtype)  # values not copied
+
+
+def _device(rng: np.random.Generator, sms: int):
+    """A :class:`nbkv.cuda_backend._CUDADevice` over offline arrays and kernels."""
+    from .cuda_backend import _CUDADevice
+    from .kernels import cuda as cuda_kernels
+    from .kernels import cuda_attention
+    from .kernels.cuda_vec import vector_width
+
+    dev = object.__new__(_CUDADevice)  # its __init__ asks the driver for a GPU
+    dev.cuda = _Cuda(OfflineArrays(rng))
+    dev.simulated = False
+    dev.is_device_array = lambda x: isinstance(x, devicearray.DeviceNDArray)
+    dev.array_type = devicearray.DeviceNDArray
+    dev.kernels = _Kernels(cuda_kernels)
+    dev.vector_width = vector_width
+    dev._attention = _Kernels(cuda_attention)
+    dev.tables = {}
+    dev._sms = sms
+    dev._local = threading.local()
+    return dev
+
+
+@contextmanager
+def offline_cuda(sms: int = 132, seed: int = 0) -> Iterator[list]:
+    """``device="cuda"`` without a GPU inside the block (``sms`` multiprocessors): caches
+    and calls run all of nbkv's Python and the launches' marshalling, and each launch is
+    appended to the list this yields as ``(stream, config, kernel, parameters)`` instead
+    of running. Backends made before are set aside, and restored after."""
+    from . import backends
+
+    launches: list = []
+
+    def record(stream, config, kernel, *params) -> None:
+        launches.append((stream, config, kernel, params))
+
+    with backends.cuda_device(_device(np.random.default_rng(seed), sms)):
+        with mock.patch.object(_dispatcher, "launch", record):
+            yield launches

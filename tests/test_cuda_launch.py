@@ -30,6 +30,10 @@ from nbkv import cuda_launch  # noqa: E402
 from nbkv.cuda_offline import OfflineArrays, OfflineKernel, OfflineLaunch  # noqa: E402
 
 GPU = DEVICE == "cuda" and not SIMULATOR
+pytestmark = pytest.mark.skipif(
+    not cuda_launch.tested_numba_cuda(),
+    reason=f"prepared launches are for numba-cuda {cuda_launch.TESTED_NUMBA_CUDA} only",
+)
 
 
 @pytest.fixture
@@ -119,9 +123,11 @@ def test_a_prepared_launch_passes_what_numba_passes(recorder, seed, fused, bshd)
     configured = OfflineLaunch(compiled, (int(rng.integers(1, 67)), 8, 2), (128, 1, 1))
     launch = cuda_launch.Launch(compiled, configured)
     assert launch.prepared is None
-    for call in range(4):  # the first call prepares; then new addresses and scalars
-        if call:
-            args = _renewed(arrays, args, rng)
+    for call in range(6):  # the first call prepares; then new addresses and scalars, of
+        if call:  # every argument or of some (the others the very objects of the last call)
+            renewed = _renewed(arrays, args, rng)
+            keep = rng.random(len(args)) < (0.5 if call % 2 else 0.0)
+            args = tuple(a if same else b for a, b, same in zip(args, renewed, keep, strict=True))
         launch(*args)
         configured(*args)  # Numba's launch of the same arguments
         assert launch.prepared is True
@@ -141,23 +147,26 @@ def _prepared(rng, fused=True, bshd=False):
     return arrays, args, compiled, configured
 
 
-def test_an_array_of_other_strides_or_shape_goes_through_numba(recorder, rng):
+def test_an_array_unlike_the_prepared_one_is_refused(recorder, rng):
+    """Another dtype, strides, shape or kind of array: the kernel was compiled for the
+    prepared ones, so the launch raises (Numba's specialised launch would run it wrong)."""
     arrays, args, compiled, configured = _prepared(rng)
     prepared = cuda_launch.prepare(compiled, configured, args)
     assert isinstance(prepared, cuda_launch.PreparedLaunch)
     k_cache = args[4]
+    same_size = np.dtype(f"i{k_cache.dtype.itemsize}")  # same itemsize, another dtype
+    longer = k_cache.shape[:2] + (k_cache.shape[2] + 1,) + k_cache.shape[3:]
     for other in (
         arrays(k_cache.shape, k_cache.dtype, pad=1),  # other strides
-        arrays(k_cache.shape[:2] + (k_cache.shape[2] + 1,) + k_cache.shape[3:], k_cache.dtype),
+        arrays(longer, k_cache.dtype),
+        devicearray.DeviceNDArray(
+            k_cache.shape, k_cache.strides, same_size, gpu_data=arrays.like(k_cache).gpu_data
+        ),
+        np.zeros(k_cache.shape, k_cache.dtype),  # a host array
     ):
-        changed = args[:4] + (other,) + args[5:]
-        assert prepared.parameters(changed) is None
-        prepared(*changed)
-        configured(*changed)
-        _same_call(*recorder)  # Numba's parameters for the changed arguments
-        pointer = recorder[0][3][_parameter_count(args[:4]) + 4]
-        assert pointer == other.device_ctypes_pointer.value
-        recorder.clear()
+        with pytest.raises(TypeError, match="argument 4 of a prepared launch"):
+            prepared(*args[:4], other, *args[5:])
+    assert recorder == []  # nothing launched
 
 
 def _declined(monkeypatch, rng, recorder, how: str):
@@ -198,7 +207,7 @@ def test_prepare_declines_what_it_does_not_handle_and_numba_launches_it(
         return  # Numba's own launch of these needs a GPU (or fails as Numba would)
     launch = cuda_launch.Launch(compiled, configured)
     launch(*args)
-    assert launch.prepared is False
+    assert launch.prepared is (None if how == "turned off" else False)
     configured(*args)
     _same_call(*recorder)
 
@@ -226,34 +235,53 @@ def test_turning_it_off_sends_a_prepared_launch_through_numba(monkeypatch, recor
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_on_a_gpu_prepared_launches_give_numba_launches_bits(monkeypatch, rng, dtype, layout):
-    """attention and append_and_attend, prepared, against the same calls through Numba's
-    launch (turned off), bit for bit; every launch of the first kind was prepared."""
-    prepared = []
-    real_call = cuda_launch.PreparedLaunch.__call__
+    """A decode loop over two caches of one shape, taking turns (so that each prepared
+    launch runs again with other pointers, positions and lengths): append_and_attend,
+    then append and attention (a chunk of 3 queries, a window), prepared, against the
+    same loop launched through Numba (turned off), bit for bit, outputs and every
+    position the caches hold; every launch of the first loop was prepared."""
+    counts = {"launches": 0, "prepared": 0}
+    launch_call, prepared_call = cuda_launch.Launch.__call__, cuda_launch.PreparedLaunch.__call__
 
-    def counted(self, *args):
-        prepared.append(1)
-        return real_call(self, *args)
+    def launched(self, *args):
+        counts["launches"] += 1
+        return launch_call(self, *args)
 
-    monkeypatch.setattr(cuda_launch.PreparedLaunch, "__call__", counted)
-    kv = randn(rng, shape_of(layout, 2, 4, 300, 128), dtype)
-    new = randn(rng, shape_of(layout, 2, 4, 1, 128), dtype)
-    q = randn(rng, (2, 16, 1, 128), np.float32)
+    def prepared(self, *args):
+        counts["prepared"] += 1
+        return prepared_call(self, *args)
+
+    monkeypatch.setattr(cuda_launch.Launch, "__call__", launched)
+    monkeypatch.setattr(cuda_launch.PreparedLaunch, "__call__", prepared)
+    held = [randn(rng, shape_of(layout, 2, 4, 100 + 50 * i, 128), dtype) for i in range(2)]
+    steps = [
+        (randn(rng, (2, 16, n, 128), np.float32), randn(rng, shape_of(layout, 2, 4, n, 128), dtype))
+        for n in (1,) * 8 + (3,) * 4
+    ]  # fmt: skip
     results = []
     for enabled in (True, False):
         monkeypatch.setattr(cuda_launch, "ENABLED", enabled)
-        before = len(prepared)
-        cache = nbkv.LayerKVCache(
-            512, batch=2, num_kv_heads=4, head_dim=128, dtype=dtype, layout=layout, device="cuda"
-        )
-        cache.append(kv, kv)
-        calls = [
-            host(nbkv.attention(q, cache)),
-            host(nbkv.append_and_attend(q, new, new, cache)),
-            host(nbkv.attention(np.repeat(q, 3, axis=2), cache, window=100)),
-        ]
-        assert (len(prepared) - before > 0) == enabled
-        results.append(calls)
+        counts.update(launches=0, prepared=0)
+        caches = []
+        for kv in held:
+            cache = nbkv.LayerKVCache(
+                512, batch=2, num_kv_heads=4, head_dim=128, dtype=dtype, layout=layout,
+                device="cuda",
+            )  # fmt: skip
+            cache.append(kv, kv)
+            caches.append(cache)
+        outs = []
+        for i, (q, new) in enumerate(steps):
+            cache = caches[i % 2]
+            if q.shape[2] == 1:
+                outs.append(host(nbkv.append_and_attend(q, new, 2 * new, cache)))
+            else:
+                cache.append(new, 2 * new)
+                outs.append(host(nbkv.attention(q, cache, window=60)))
+        outs += [host(x) for cache in caches for x in cache.get_kv()]
+        assert counts["launches"] == 2 + len(steps) + 4  # the appends, steps, chunks
+        assert counts["prepared"] == (counts["launches"] if enabled else 0)
+        results.append(outs)
     for a, b in zip(*results, strict=True):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
@@ -305,3 +333,113 @@ def test_the_devices_launch_prepares_once_per_signature(recorder, rng):
     dev.launch(kernel, (2, (16, 16)), (k, k, 3, cache, cache))  # another configuration
     assert len(kernel.specialised) == 3
     assert [r[1].grid for r in recorder] == [(1, 1, 1), (2, 1, 1)]
+
+
+def test_vector_width_reads_a_device_arrays_address_as_its_interface_says(rng):
+    from nbkv.kernels.cuda_vec import vector_width
+
+    arrays = OfflineArrays(rng)
+    a = arrays((2, 3, 4, 16), np.float16)
+    for offset in (0, 2, 4, 8, 16):
+        b = devicearray.DeviceNDArray(
+            a.shape, a.strides, a.dtype, gpu_data=arrays.like(a).gpu_data.__class__(
+                a.__cuda_array_interface__["data"][0] + offset
+            ),
+        )  # fmt: skip
+        address = b.__cuda_array_interface__["data"][0]
+        assert address % 16 == offset % 16
+        want = next(n for n in (8, 4, 2, 1) if address % (2 * n) == 0)
+        assert vector_width(2, 16, (b,)) == want
+
+
+def test_cuda_core_packs_every_prepared_list(rng):
+    """An oracle besides Numba: cuda.core's own packing of a launch's parameters (what its
+    launch does first; no GPU needed) takes each list as prepared, for every kernel kind."""
+    holder = pytest.importorskip("cuda.core._kernel_arg_handler").ParamHolder
+    for fused in (False, True):
+        for bshd in (False, True):
+            arrays, args, compiled, configured = _prepared(rng, fused=fused, bshd=bshd)
+            prepared = cuda_launch.prepare(compiled, configured, args)
+            holder(prepared.parameters(_renewed(arrays, args, rng)))
+    with pytest.raises(TypeError):  # it does check: a pointer left out is refused
+        holder([*prepared.parameters(args)[:-1], None])
+
+
+@pytest.mark.parametrize(
+    "scalars", [(np.bool_(True), 7), (False, np.int32(7)), (True, np.int64(1 << 40))]
+)
+def test_numpy_scalars_are_passed_as_numba_passes_them(recorder, rng, scalars):
+    arrays, args, compiled, configured = _prepared(rng)
+    causal, window = scalars
+    args = (*args[:7], causal, window, *args[9:])
+    compiled = OfflineKernel(args)
+    configured = OfflineLaunch(compiled, (3, 2, 1), (128, 1, 1))
+    prepared = cuda_launch.prepare(compiled, configured, args)
+    assert prepared is not None
+    prepared(*args)
+    configured(*args)
+    _same_call(*recorder)
+
+
+def test_the_kernel_function_is_looked_up_at_every_launch(recorder, rng, monkeypatch):
+    """Numba's launch asks the code library for the current device's function each time
+    (a process may switch devices); so does a prepared launch."""
+    arrays, args, compiled, configured = _prepared(rng)
+    library = compiled.library
+    functions = []
+
+    def get_cufunc():
+        functions.append(object())
+        library.kernel = functions[-1]
+        return library
+
+    monkeypatch.setattr(library, "get_cufunc", get_cufunc)
+    launch = cuda_launch.Launch(compiled, configured)
+    for _ in range(3):
+        launch(*args)
+    assert [call[2] for call in recorder] == functions and len(functions) == 3
+
+
+def test_a_launch_with_callbacks_goes_through_numba(recorder, rng):
+    """Numba's pre_launch_callbacks run before its launch: a configured launch that has
+    some is not prepared, and one given some after it was goes through Numba."""
+    arrays, args, compiled, configured = _prepared(rng)
+    ran = []
+
+    def callback(kernel, config):
+        ran.append(kernel)
+
+    class WithCallbacks(OfflineLaunch):
+        def __call__(self, *a):
+            for cb in self.pre_launch_callbacks:
+                cb(self.kernel, self)
+            super().__call__(*a)
+
+    configured = WithCallbacks(compiled, (3, 2, 1), (128, 1, 1))
+    configured.pre_launch_callbacks = [callback]
+    assert cuda_launch.prepare(compiled, configured, args) is None
+    configured.pre_launch_callbacks = []
+    prepared = cuda_launch.prepare(compiled, configured, args)
+    assert prepared is not None
+    configured.pre_launch_callbacks.append(callback)
+    prepared(*args)
+    assert ran == [compiled] and len(recorder) == 1
+
+
+def test_another_numba_cuda_launches_through_numba(monkeypatch, recorder, rng):
+    arrays, args, compiled, configured = _prepared(rng)
+    monkeypatch.setattr(cuda_launch, "tested_numba_cuda", lambda: False)
+    assert cuda_launch.prepare(compiled, configured, args) is None
+
+
+def test_turned_off_then_on_a_launch_is_prepared_again(monkeypatch, recorder, rng):
+    arrays, args, compiled, configured = _prepared(rng)
+    launch = cuda_launch.Launch(compiled, configured)
+    monkeypatch.setattr(cuda_launch, "ENABLED", False)
+    launch(*args)
+    assert launch.prepared is None  # through Numba, and nothing decided
+    monkeypatch.setattr(cuda_launch, "ENABLED", True)
+    launch(*args)
+    assert launch.prepared is True
+    configured(*args)
+    _same_call(*recorder[1:])

