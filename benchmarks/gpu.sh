@@ -187,7 +187,7 @@ stage_tests() {
 stage_bench() {
     # the suite runner, as anywhere: results/cuda-<gpu>.json and .txt, index.json; its
     # figures need matplotlib (redraw them later with --plots-only if it is missing here)
-    run bench 270 "$PY" -m benchmarks --only cuda --out "$RESULTS"
+    run bench 270 "$PY" -m benchmarks --only cuda --only launch --out "$RESULTS"
     if grep -q "no figures: matplotlib is not installed" "$LOGS/bench.log"; then
         note "bench: (no matplotlib here, so no figure: a non-zero exit for that alone; draw it" \
             "later with python -m benchmarks --plots-only --only cuda)"
