@@ -60,7 +60,6 @@ class _CUDADevice:
             )
         from numba import cuda
 
-        self.simulated = simulated
         if not cuda.is_available():
             raise BackendUnavailableError(
                 "device='cuda' was asked for, but no CUDA GPU is usable in this process "
@@ -71,16 +70,32 @@ class _CUDADevice:
         from numba.cuda.cudadrv.devicearray import is_cuda_ndarray
 
         from .kernels import cuda as cuda_kernels
+
+        array_type = type(cuda.device_array(1, np.uint8))  # what device_array makes
+        self._parts(cuda, cuda_kernels, None, is_cuda_ndarray, array_type, None, simulated)
+
+    @classmethod
+    def from_parts(cls, cuda, kernels, attention, is_device_array, array_type, sms: int):
+        """A device over these parts, asking no driver for a GPU (for
+        :mod:`nbkv.cuda_offline`): ``cuda`` allocates and copies as ``numba.cuda`` does,
+        ``kernels`` and ``attention`` stand for :mod:`nbkv.kernels.cuda` and
+        :mod:`nbkv.kernels.cuda_attention`."""
+        dev = object.__new__(cls)
+        dev._parts(cuda, kernels, attention, is_device_array, array_type, sms, False)
+        return dev
+
+    def _parts(self, cuda, kernels, attention, is_device_array, array_type, sms, simulated):
         from .kernels.cuda_vec import vector_width
 
+        self.simulated = simulated
         self.cuda = cuda
-        self.is_device_array = is_cuda_ndarray
-        self.array_type = type(cuda.device_array(1, np.uint8))  # what device_array makes
-        self.kernels = cuda_kernels
+        self.is_device_array = is_device_array
+        self.array_type = array_type
+        self.kernels = kernels
         self.vector_width = vector_width
-        self._attention = None  # nbkv.kernels.cuda_attention, compiled on first use
+        self._attention = attention  # nbkv.kernels.cuda_attention, compiled on first use
         self.tables: dict[str, Any] = {}
-        self._sms: int | None = None
+        self._sms: int | None = sms
         # partial results and counters of the last attention launch, per thread (two
         # threads launching at once must not share counters)
         self._local = threading.local()

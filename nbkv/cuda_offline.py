@@ -19,7 +19,6 @@ Needs numba-cuda, and not the simulator.
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from unittest import mock
@@ -186,20 +185,15 @@ def _device(rng: np.random.Generator, sms: int):
     from .cuda_backend import _CUDADevice
     from .kernels import cuda as cuda_kernels
     from .kernels import cuda_attention
-    from .kernels.cuda_vec import vector_width
 
-    dev = object.__new__(_CUDADevice)  # its __init__ asks the driver for a GPU
-    dev.cuda = _Cuda(OfflineArrays(rng))
-    dev.simulated = False
-    dev.is_device_array = lambda x: isinstance(x, devicearray.DeviceNDArray)
-    dev.array_type = devicearray.DeviceNDArray
-    dev.kernels = _Kernels(cuda_kernels)
-    dev.vector_width = vector_width
-    dev._attention = _Kernels(cuda_attention)
-    dev.tables = {}
-    dev._sms = sms
-    dev._local = threading.local()
-    return dev
+    return _CUDADevice.from_parts(
+        _Cuda(OfflineArrays(rng)),
+        _Kernels(cuda_kernels),
+        _Kernels(cuda_attention),
+        lambda x: isinstance(x, devicearray.DeviceNDArray),
+        devicearray.DeviceNDArray,
+        sms,
+    )
 
 
 @contextmanager

@@ -312,12 +312,9 @@ def test_the_devices_launch_prepares_once_per_signature(recorder, rng):
     """``_CUDADevice.launch`` (the copy kernels' launch): one specialisation and prepared
     launch per kernel, configuration and argument signature; each call passes what
     Numba's launch of the same arguments would."""
-    import threading
-
     from nbkv.cuda_backend import _CUDADevice
 
-    dev = object.__new__(_CUDADevice)  # no GPU here: only what launch uses
-    dev._local, dev.simulated = threading.local(), False
+    dev = _CUDADevice.from_parts(None, None, None, None, None, 132)  # only launch is used
     kernel, arrays = _Dispatcher(), OfflineArrays(rng)
     k, cache = arrays((1, 8, 1, 128), np.float16), arrays((1, 8, 4096, 128), np.float16)
     config = (1, (16, 16))
