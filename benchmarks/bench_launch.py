@@ -17,19 +17,26 @@ float16 cache of 4,096 positions, float32 queries. Three launches:
 
 Contenders, per launch: "numba" (``_Kernel._prepare_args`` over every argument, as
 numba-cuda 0.30's launch does) and "prepared" (``PreparedLaunch.parameters``). Each call
-gets new array objects for what a decode step makes anew (q and the new rows; the cache,
-scratch and out are kept), made outside the timer, so that Numba's per-array work that it
-caches on an array object is counted as a decode step pays it. Before timing, the two
-lists are checked equal. This is the marshalling alone: left out are ``cuda.core``'s
-launch (its packing of the list, the driver call), Numba's per-launch ``LaunchConfig``
-and dispatcher call (which the prepared path does not make) and the prepared path's
-look-up of the kernel function, and nbkv's Python before the launch (the second part).
+gets new array objects for what a decode step makes anew (q and the new rows) and the K/V
+buffers of the next of 4 layers' caches (a model's layers take turns through one launch
+plan), while the scratch and out are kept, all made outside the timer, so that the work
+Numba caches on an array object, and the prepared list's skipping of the arrays of the
+last call, count as they would in a model's decode step. Beside them, "packing":
+``cuda.core``'s packing of the prepared list (``ParamHolder``, the first part of its
+launch, which both paths pay; a private class of ``cuda.core``, left out if absent).
+Before timing, the two lists are checked equal. This is the marshalling alone: left out
+are ``cuda.core``'s launch (timed apart: its packing; not timed: the driver call),
+Numba's per-launch
+``LaunchConfig`` and dispatcher call (which the prepared path does not make), the
+look-up of the kernel function that both make per launch (``get_cufunc``, which asks for
+the current context: faked here), and nbkv's Python before the launch (the second part).
 
 Then the whole decode step on the CUDA backend, without a GPU
 (:func:`nbkv.cuda_offline.offline_cuda`: every launch recorded instead of run, all of
 nbkv's Python and the launches' marshalling run): a float16 ``LayerKVCache(device="cuda")``
 holding 1,024 positions, cropped back before each call (outside the timer), q, k and v new
-device arrays each call (as a model's step makes them), ``out`` kept. Steps:
+device arrays each call (as a model's step makes them), ``out`` kept, 4 such caches
+taking turns (as a model's layers do). Steps:
 ``append_and_attend(q, k, v, cache, out=out)`` (one fused launch), ``cache.append(k, v)``
 then ``attention(q, cache, out=out)`` (two launches), ``attention`` alone, ``append``
 alone; each with the prepared launches ("prepared") and through Numba's launch code
@@ -64,8 +71,13 @@ except ImportError:  # run from a checkout without installing
 from _machine import machine  # noqa: E402  (this folder is on sys.path)
 
 HEADS, KV_HEADS, DIM, CAPACITY, HELD = 32, 8, 128, 4096, 1024
+LAYERS = 4  # caches taking turns, as a model's layers do: one launch plan, other buffers
 LAUNCHES = ("attention", "append_and_attend", "append")
 METHODS = ("numba", "prepared")
+try:  # cuda.core's packing of a parameter list, the first thing its launch does
+    from cuda.core._kernel_arg_handler import ParamHolder as PACK
+except ImportError:
+    PACK = None
 STEPS = {  # the launches each step records
     "append_and_attend": ["append_and_attend"],
     "append + attention": ["append", "attention"],
@@ -98,7 +110,8 @@ class Case:
         self.arrays = arrays = OfflineArrays(np.random.default_rng(seed))
         seq = (1, KV_HEADS, CAPACITY, DIM)
         row = (1, KV_HEADS, 1, DIM)
-        self.k_cache, self.v_cache = arrays(seq, np.float16), arrays(seq, np.float16)
+        self.layers = [(arrays(seq, np.float16), arrays(seq, np.float16)) for _ in range(LAYERS)]
+        self.turn = 0
         self.q = arrays((1, HEADS, 1, DIM), np.float32)
         self.new = arrays(row, np.float16)
         splits = 66  # as a 132-SM GPU splits 4k positions for this step
@@ -112,30 +125,42 @@ class Case:
         args = self.args()
         self.kernel = OfflineKernel(args)
         self.configured = OfflineLaunch(self.kernel, (splits, KV_HEADS, 1), (128, 1, 1))
-        self.prepared = cuda_launch.prepare(self.kernel, self.configured, args)
+        enabled, cuda_launch.ENABLED = cuda_launch.ENABLED, True  # whatever the environment
+        try:
+            self.prepared = cuda_launch.prepare(self.kernel, self.configured, args)
+        finally:
+            cuda_launch.ENABLED = enabled
         if self.prepared is None:
             raise RuntimeError(f"{name}: nbkv.cuda_launch.prepare declined these arguments")
         self.numba_parameters = cuda_launch.numba_parameters
         self.same = cuda_launch._same
 
     def args(self) -> tuple:
-        """The launch's arguments, with new array objects for q and the new rows."""
+        """The launch's arguments: new array objects for q and the new rows, the next
+        layer's K/V buffers, the same scratch and out."""
         new = self.arrays.like
+        self.turn += 1
+        k_cache, v_cache = self.layers[self.turn % LAYERS]
         if self.name == "append":
-            return (new(self.new), new(self.new), HELD, self.k_cache, self.v_cache)
+            return (new(self.new), new(self.new), HELD, k_cache, v_cache)
         scale, causal, window = np.float32(DIM**-0.5), True, 0
         table, acc, stats, counters, out = self.kept
         q = new(self.q)
         if self.name == "attention":
-            head = (q, self.k_cache, self.v_cache, HELD + 1)
+            head = (q, k_cache, v_cache, HELD + 1)
         else:
-            head = (q, new(self.new), new(self.new), HELD, self.k_cache, self.v_cache)
+            head = (q, new(self.new), new(self.new), HELD, k_cache, v_cache)
         return (*head, scale, causal, window, table, acc, stats, counters, out)
 
     def run(self, method: str, args: tuple) -> list:
         if method == "numba":
             return self.numba_parameters(self.kernel, self.configured, args)
         return self.prepared.parameters(args)
+
+    def pack(self, params: list) -> None:
+        """cuda.core's packing of a parameter list, as its launch does first (both paths
+        pay it); a private class of cuda.core, so this may be absent."""
+        PACK(params)
 
     def check(self) -> int:
         """Both methods give the same list for new arguments; its length."""
@@ -148,20 +173,26 @@ class Case:
 
 
 class Step:
-    """One layer's decode step on the CUDA backend without a GPU (see the docstring)."""
+    """One layer's decode step on the CUDA backend without a GPU (see the docstring),
+    over ``LAYERS`` caches taking turns, as a model's layers do."""
 
     def __init__(self, launches: list, seed: int) -> None:
         from nbkv import cuda_launch
         from nbkv.cuda_offline import OfflineArrays
 
         self.launches, self.switch = launches, cuda_launch
+        self.enabled = cuda_launch.ENABLED  # as the environment set it: restored after
         self.arrays = arrays = OfflineArrays(np.random.default_rng(seed))
-        self.cache = nbkv.LayerKVCache(
-            CAPACITY, batch=1, num_kv_heads=KV_HEADS, head_dim=DIM, dtype="float16",
-            device="cuda",
-        )  # fmt: skip
-        held = arrays((1, KV_HEADS, HELD, DIM), np.float16)
-        self.cache.append(held, held)
+        self.caches = []
+        for _ in range(LAYERS):
+            cache = nbkv.LayerKVCache(
+                CAPACITY, batch=1, num_kv_heads=KV_HEADS, head_dim=DIM, dtype="float16",
+                device="cuda",
+            )  # fmt: skip
+            held = arrays((1, KV_HEADS, HELD, DIM), np.float16)
+            cache.append(held, held)
+            self.caches.append(cache)
+        self.turn = 0
         self.q = arrays((1, HEADS, 1, DIM), np.float32)
         self.k = arrays((1, KV_HEADS, 1, DIM), np.float16)
         self.out = arrays(self.q.shape, np.float32)
@@ -171,8 +202,8 @@ class Step:
         like = self.arrays.like
         return like(self.q), like(self.k), like(self.k)
 
-    def run(self, name: str, q, k, v) -> None:
-        cache, out = self.cache, self.out
+    def run(self, name: str, cache, q, k, v) -> None:
+        out = self.out
         if name == "append_and_attend":
             nbkv.append_and_attend(q, k, v, cache, out=out)
         elif name == "append + attention":
@@ -184,27 +215,36 @@ class Step:
             cache.append(k, v)
 
     def call(self, name: str, method: str, inputs: tuple) -> int:
-        """Nanoseconds of one step, the cache cropped back and the record cleared first."""
-        self.cache.crop(HELD)
+        """Nanoseconds of one step on the next cache, cropped back and the record cleared
+        first."""
+        self.turn += 1
+        cache = self.caches[self.turn % LAYERS]
+        cache.crop(HELD)
         self.launches.clear()
         self.switch.ENABLED = method == "prepared"
         t0 = time.perf_counter_ns()
-        self.run(name, *inputs)
+        self.run(name, cache, *inputs)
         return time.perf_counter_ns() - t0
+
+    def restore(self) -> None:
+        self.switch.ENABLED = self.enabled
 
     def check(self) -> None:
         """Each step records its launches, with the same parameters both ways."""
-        for name, kinds in STEPS.items():
-            inputs, lists = self.inputs(), []
-            for method in METHODS:
-                self.call(name, method, inputs)
-                got = [len(params) for _, _, _, params in self.launches]
-                if got != [PARAMETERS[kind] for kind in kinds]:
-                    raise AssertionError(f"{name}: launched {got} parameters, not {kinds}")
-                lists.append([list(params) for _, _, _, params in self.launches])
-            if not all(self.switch._same(a, b) for a, b in zip(*lists, strict=True)):
-                raise AssertionError(f"{name}: the prepared launches differ from Numba's")
-        self.switch.ENABLED = True
+        try:
+            for name, kinds in STEPS.items():
+                inputs, lists = self.inputs(), []
+                for method in METHODS:
+                    self.turn = 0  # the same cache both ways
+                    self.call(name, method, inputs)
+                    got = [len(params) for _, _, _, params in self.launches]
+                    if got != [PARAMETERS[kind] for kind in kinds]:
+                        raise AssertionError(f"{name}: launched {got} parameters, not {kinds}")
+                    lists.append([list(params) for _, _, _, params in self.launches])
+                if not all(self.switch._same(a, b) for a, b in zip(*lists, strict=True)):
+                    raise AssertionError(f"{name}: the prepared launches differ from Numba's")
+        finally:
+            self.restore()
 
 
 def measure_steps(step: Step, rounds: int, warmup: int) -> dict[str, dict[str, list[int]]]:
@@ -219,21 +259,30 @@ def measure_steps(step: Step, rounds: int, warmup: int) -> dict[str, dict[str, l
                 if r >= warmup:
                     times[name][method].append(t)
     finally:
-        step.switch.ENABLED = True
+        step.restore()
     return times
 
 
 def measure(case: Case, rounds: int, warmup: int) -> dict[str, list[int]]:
-    """Nanoseconds per call of each method, alternating, new arguments for each call."""
+    """Nanoseconds per call of each method, alternating, new arguments for each call;
+    and of cuda.core's packing of the list ("packing"), where it can be imported."""
     times: dict[str, list[int]] = {m: [] for m in METHODS}
+    if PACK is not None:
+        times["packing"] = []
     for r in range(warmup + rounds):
         for method in METHODS if r % 2 else METHODS[::-1]:
             args = case.args()
             t0 = time.perf_counter_ns()
-            case.run(method, args)
+            params = case.run(method, args)
             t1 = time.perf_counter_ns()
             if r >= warmup:
                 times[method].append(t1 - t0)
+            if PACK is not None and method == "prepared":
+                t0 = time.perf_counter_ns()
+                case.pack(params)
+                t1 = time.perf_counter_ns()
+                if r >= warmup:
+                    times["packing"].append(t1 - t0)
     return times
 
 
@@ -260,8 +309,17 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"skipped: {reason}")
         data["skipped"] = reason
     else:
-        print(f"nbkv {nbkv.__version__}: one launch's parameter list, {rounds} rounds")
-        print(f"{'launch':<19} {'parameters':>10} {'numba us':>9} {'prepared us':>11} {'ratio':>6}")
+        from importlib.metadata import version
+
+        data["numba_cuda"] = version("numba-cuda")
+        print(
+            f"nbkv {nbkv.__version__}, numba-cuda {data['numba_cuda']}: one launch's parameter "
+            f"list, {rounds} rounds; K/V of {LAYERS} layers' caches in turn"
+        )
+        print(
+            f"{'launch':<19} {'parameters':>10} {'numba us':>9} {'prepared us':>11} {'ratio':>6}"
+            f" {'cuda.core packing us':>21}"
+        )
         for i, name in enumerate(LAUNCHES):
             case = Case(name, seed=i)
             n = case.check()
@@ -269,8 +327,15 @@ def main(argv: list[str] | None = None) -> dict:
             result["parameters"] = n
             data["results"][name] = result
             numba, prepared = result["numba"]["median_us"], result["prepared"]["median_us"]
-            print(f"{name:<19} {n:>10} {numba:>9.2f} {prepared:>11.2f} {numba / prepared:>5.1f}x")
-        print("medians; p10 and p90 are in the JSON. Not counted: cuda.core's launch itself.")
+            pack = result["packing"]["median_us"] if "packing" in result else float("nan")
+            print(
+                f"{name:<19} {n:>10} {numba:>9.2f} {prepared:>11.2f} {numba / prepared:>5.1f}x"
+                f" {pack:>21.2f}"
+            )
+        print(
+            "medians; p10 and p90 are in the JSON. cuda.core packing: the first part of its "
+            "launch, which both paths pay (the driver call after it is not timed here)."
+        )
         from nbkv.cuda_offline import offline_cuda
 
         with offline_cuda() as launches:

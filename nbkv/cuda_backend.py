@@ -148,7 +148,8 @@ class _CUDADevice:
             kernel[config](*args)
             return
         key = (kernel, config) + tuple(
-            (a.shape, a.strides, a.dtype) if hasattr(a, "strides") else type(a) for a in args
+            (type(a), a.shape, a.strides, a.dtype) if hasattr(a, "strides") else type(a)
+            for a in args
         )
         launches = getattr(self._local, "launches", None)
         if launches is None or len(launches) > _MAX_PLANS:  # many shapes: start afresh

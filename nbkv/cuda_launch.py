@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from functools import lru_cache
 from typing import Any
 
@@ -55,6 +56,11 @@ def tested_numba_cuda() -> bool:
         return version("numba-cuda").startswith(TESTED_NUMBA_CUDA)
     except PackageNotFoundError:
         return False
+
+
+def _dead() -> None:
+    """A weak reference to nothing: no array was passed here yet."""
+    return None
 
 
 def _pointer(x) -> Any:
@@ -103,7 +109,7 @@ class PreparedLaunch:
     configured launch since (Numba's ``pre_launch_callbacks``) sends the launch through
     Numba, which runs it."""
 
-    def __init__(self, compiled, configured, template, slots, arrays, launch, config) -> None:
+    def __init__(self, compiled, configured, template, slots, arrays, dispatcher, config) -> None:
         self._library = compiled.library
         self._configured = configured
         self._stream = configured.stream
@@ -111,20 +117,21 @@ class PreparedLaunch:
         pointers = {i: j for i, j, convert in slots if convert is _pointer}
         # (argument index, parameter index, type, dtype, shape, strides) per array
         self._arrays = [(i, pointers[i], *rest) for i, *rest in arrays]
-        self._seen: list = [None] * len(arrays)  # the array last passed in each place
+        # the array last passed in each place, weakly (a launch must not keep a cache's
+        # buffers alive after the cache lets them go)
+        self._seen: list = [_dead] * len(arrays)
         self._scalars = [slot for slot in slots if slot[2] is not _pointer]
-        self._launch = launch
+        self._dispatcher = dispatcher  # numba.cuda.dispatcher: its launch, read per call
         self._config = config
 
     def parameters(self, args: tuple) -> list:
         """The parameter list for ``args`` (``TypeError`` for an array unlike the one it
         was prepared with), valid until the next call. An array that is the one passed
-        in its place last time is neither checked nor read again (so the last arrays are
-        kept alive until the next call)."""
+        in its place last time (and still alive) is neither checked nor read again."""
         params, seen = self._params, self._seen
         for n, (i, j, kind, dtype, shape, strides) in enumerate(self._arrays):
             x = args[i]
-            if x is seen[n]:  # the cache's buffers, scratch, often out: as they were
+            if seen[n]() is x:  # the cache's buffers, scratch, often out: as they were
                 continue
             if (
                 x.shape != shape
@@ -139,7 +146,7 @@ class PreparedLaunch:
                     f"{getattr(x, 'strides', '')}"
                 )
             params[j] = _pointer(x)
-            seen[n] = x
+            seen[n] = weakref.ref(x)
         for i, j, convert in self._scalars:
             params[j] = convert(args[i])
         return params
@@ -150,7 +157,7 @@ class PreparedLaunch:
             self._configured(*args)  # Numba runs the callbacks, then launches
             return
         kernel = self._library.get_cufunc().kernel  # per call: the current device's
-        self._launch(self._stream, self._config, kernel, *params)
+        self._dispatcher.launch(self._stream, self._config, kernel, *params)
 
 
 def prepare(compiled, configured, args: tuple) -> PreparedLaunch | None:
@@ -168,6 +175,8 @@ def prepare(compiled, configured, args: tuple) -> PreparedLaunch | None:
         kinds = tuple(compiled.argument_types)
         if compiled.debug or compiled.extensions or len(kinds) != len(args):
             return None
+        if getattr(compiled, "launch_config_sensitive", False):
+            return None  # Numba may redispatch it per launch configuration
         compiled.library.get_cufunc  # noqa: B018 -- present, or no prepared launch
         slots, arrays = [], []
         start = 0
@@ -188,7 +197,7 @@ def prepare(compiled, configured, args: tuple) -> PreparedLaunch | None:
         if start != len(template):
             return None
         config = _config(nd, configured, compiled.cooperative)
-        prepared = PreparedLaunch(compiled, configured, template, slots, arrays, nd.launch, config)
+        prepared = PreparedLaunch(compiled, configured, template, slots, arrays, nd, config)
         if not _same(prepared.parameters(args), template):
             return None
         if getattr(configured, "pre_launch_callbacks", None):

@@ -201,7 +201,12 @@ def offline_cuda(sms: int = 132, seed: int = 0) -> Iterator[list]:
     """``device="cuda"`` without a GPU inside the block (``sms`` multiprocessors): caches
     and calls run all of nbkv's Python and the launches' marshalling, and each launch is
     appended to the list this yields as ``(stream, config, kernel, parameters)`` instead
-    of running. Backends made before are set aside, and restored after."""
+    of running. Backends made before are set aside, and restored after, as is Numba's
+    launch function.
+
+    Process-wide, for a process of its own (a benchmark, a test): inside the block, every
+    launch of the process is recorded, a real GPU cache's too; a cache made inside must
+    not be used after it, nor one made before inside it."""
     from . import backends
 
     launches: list = []

@@ -702,6 +702,21 @@ def test_bench_launch_main_checks_and_reports_every_launch(tmp_path):
         for method in bl.METHODS:
             assert result[method]["calls"] == 300
             assert 0 < result[method]["p10_us"] <= result[method]["median_us"]
+        assert ("packing" in result) == (bl.PACK is not None)
+    assert set(data["steps"]) == set(bl.STEPS) and data["numba_cuda"]
+    for result in data["steps"].values():
+        assert all(result[method]["calls"] == 300 for method in bl.METHODS)
+
+
+def test_bench_launch_leaves_the_prepared_launches_as_it_found_them(monkeypatch):
+    bl = _bench_script("launch")
+    if bl.no_launch_reason():
+        pytest.skip(bl.no_launch_reason())
+    from nbkv import cuda_launch
+
+    monkeypatch.setattr(cuda_launch, "ENABLED", False)  # NBKV_CUDA_PREPARED_LAUNCH=0
+    bl.main(["--quick"])
+    assert cuda_launch.ENABLED is False
 
 
 def test_bench_launch_check_fails_when_the_prepared_list_is_wrong(monkeypatch):
@@ -722,11 +737,14 @@ def test_bench_launch_check_fails_when_the_prepared_list_is_wrong(monkeypatch):
         case.check()
 
 
-def test_bench_launch_gives_each_call_new_arrays_for_what_a_step_makes_anew():
+def test_bench_launch_gives_each_call_new_arrays_for_what_a_step_makes_anew_and_the_next_layer():
     bl = _bench_script("launch")
     if bl.no_launch_reason():
         pytest.skip(bl.no_launch_reason())
     case = bl.Case("append_and_attend", seed=1)
     a, b = case.args(), case.args()
     arrays = [i for i, x in enumerate(a) if hasattr(x, "device_ctypes_pointer")]
-    assert [i for i in arrays if a[i] is not b[i]] == [0, 1, 2]  # q, the new k and v
+    # q, the new k and v, and the next layer's K and V; the scratch and out kept
+    assert [i for i in arrays if a[i] is not b[i]] == [0, 1, 2, 4, 5]
+    layers = {id(case.args()[4]) for _ in range(2 * bl.LAYERS)}
+    assert len(layers) == bl.LAYERS

@@ -187,12 +187,15 @@ def _declined(monkeypatch, rng, recorder, how: str):
         args = (np.zeros(args[0].shape, args[0].dtype),) + args[1:]
     elif how == "another number of arguments":
         compiled.argument_types = compiled.argument_types[:-1]
+    elif how == "a launch-configuration-sensitive kernel":
+        compiled.launch_config_sensitive = True
     return args, compiled, configured
 
 
 DECLINED = (
     "turned off", "a debug kernel", "no code library", "a scalar it does not convert",
     "conversions that differ from Numba's", "a host array", "another number of arguments",
+    "a launch-configuration-sensitive kernel",
 )  # fmt: skip
 
 
@@ -203,7 +206,10 @@ def test_prepare_declines_what_it_does_not_handle_and_numba_launches_it(
     args, compiled, configured = _declined(monkeypatch, rng, recorder, how)
     assert cuda_launch.prepare(compiled, configured, args) is None
     assert recorder == []  # nothing launched, nothing copied
-    if how in ("a host array", "no code library", "another number of arguments", "a debug kernel"):
+    if how in (
+        "a host array", "no code library", "another number of arguments", "a debug kernel",
+        "a launch-configuration-sensitive kernel",
+    ):  # fmt: skip
         return  # Numba's own launch of these needs a GPU (or fails as Numba would)
     launch = cuda_launch.Launch(compiled, configured)
     launch(*args)
@@ -440,3 +446,36 @@ def test_turned_off_then_on_a_launch_is_prepared_again(monkeypatch, recorder, rn
     assert launch.prepared is True
     configured(*args)
     _same_call(*recorder[1:])
+
+
+def test_a_prepared_launch_keeps_no_array_alive(recorder, rng):
+    """It remembers the arrays of the last call only weakly: a cache's buffers go when the
+    cache lets them go (and an array at a reused address is checked afresh)."""
+    import gc
+    import weakref
+
+    arrays, args, compiled, configured = _prepared(rng)
+    launch = cuda_launch.Launch(compiled, configured)
+    launch(*args)
+    launch(*args)  # the same objects: nothing checked or read again
+    _, _, _, first = recorder[0]
+    assert cuda_launch._same(list(recorder[1][3]), list(first))
+    gone = [weakref.ref(a) for a in args if isinstance(a, devicearray.DeviceNDArray)]
+    args = _renewed(arrays, args, rng)
+    gc.collect()
+    assert all(r() is None or r().size == 0 for r in gone)  # the size-0 table is shared
+    launch(*args)
+    configured(*args)
+    _same_call(*recorder[2:])
+
+
+def test_the_launch_function_is_read_at_every_launch(monkeypatch, rng):
+    """cuda.core's launch as numba-cuda's dispatcher has it at the time of each launch."""
+    arrays, args, compiled, configured = _prepared(rng)
+    first, second = [], []
+    monkeypatch.setattr(nd, "launch", lambda *a: first.append(a))
+    prepared = cuda_launch.prepare(compiled, configured, args)
+    prepared(*args)
+    monkeypatch.setattr(nd, "launch", lambda *a: second.append(a))
+    prepared(*args)
+    assert len(first) == len(second) == 1
