@@ -15,6 +15,7 @@ from .attention import append_and_attend, attention
 from .backends import to_host
 from .base import BaseKVCache
 from .cache import DEFAULT_MAX_SEQ_LEN, LayerKVCache
+from .decode_step import DecodeStep
 from .dtypes import supported_dtypes
 from .errors import (
     ArgumentTypeError,
@@ -55,6 +56,7 @@ __all__ = [
     "paged_attention",
     "paged_append_and_attend",
     "append_and_attend",
+    "DecodeStep",
     "attention_grid",
     "launch_config",
     "launch",

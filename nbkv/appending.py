@@ -47,6 +47,10 @@ class AppendMixin:
                 "it changed since; prepare the append again"
             )
 
+    def write_slots(self):
+        """None: this cache's positions are not contiguous slots (see the subclass)."""
+        return None
+
     def _held_after(self, n: int) -> int:
         """Hook: positions held after an append of ``n``."""
         return self._seq_len + n

@@ -111,6 +111,11 @@ class Backend(Protocol):
     ) -> None:
         """Write ``k``, ``v`` at ``pos``, then attend over ``pos + n`` positions."""
 
+    def bind_append_attend(self, q, k, v, k_cache, v_cache, out) -> Any:
+        """``append_attend`` for later calls with arrays of exactly these classes, shapes,
+        strides and dtypes (the caller checks), with what it looks up per call looked up
+        once (:class:`nbkv.DecodeStep`)."""
+
     def finish_attention(self, result: Any, out: Any) -> Any:
         """``out`` holding the result (cast from ``result`` where they differ)."""
 
@@ -218,6 +223,10 @@ class CPUBackend(CPUPaged):
         self.write_kv(k, v, pos, k_cache, v_cache)
         n = k.shape[self.seq_axis]
         self.attend(q, k_cache, v_cache, pos + n, scale, causal, window, table, out)
+
+    def bind_append_attend(self, q, k, v, k_cache, v_cache, out):
+        """``append_attend`` itself: on the CPU it looks nothing up that binding saves."""
+        return self.append_attend
 
     @staticmethod
     def finish_attention(result, out):

@@ -9,6 +9,7 @@ What it shares with the ring of :mod:`nbkv.rotating` lives in :mod:`nbkv.base`.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +100,7 @@ class LayerKVCache(BaseKVCache):
         self._on_overflow = on_overflow
         self._grow_step = positive_int(grow_step, "grow_step")
         self._fast = None  # see append()
+        self._slots = None  # see write_slots(): a weak reference to them
         super().__init__(
             max_seq_len,
             batch=batch,
@@ -135,10 +137,18 @@ class LayerKVCache(BaseKVCache):
 
     def _release(self) -> None:
         super()._release()
-        self._fast = None
+        self._forget_buffers()
 
     def _storage_changed(self) -> None:
-        self._fast = None  # it points at the old buffers
+        self._forget_buffers()
+
+    def _forget_buffers(self) -> None:
+        """Drop what points at the buffers: the append's fast path and the slots."""
+        self._fast = None
+        slots = self._live_slots()
+        if slots is not None and slots.owner is self:  # a copy starts from our __dict__
+            slots.valid = False
+        self._slots = None
 
     def _check_room(self, n: int, what: str) -> None:
         if self._on_overflow != "grow":
@@ -233,6 +243,41 @@ class LayerKVCache(BaseKVCache):
             last_pos = self._max_seq_len - n
             self._fast = (kind, k.shape, k.dtype, last_pos, n, be.write_kv, k_buf, v_buf, bits)
         return undo
+
+    def write_slots(self) -> _Slots | None:
+        """The buffers as slots for a caller's kernel that writes new positions itself
+        (:class:`nbkv.DecodeStep`; see :mod:`nbkv.protocol`), or None before the buffers
+        exist. The same object until the buffers are replaced or dropped."""
+        slots = self._live_slots()
+        if slots is not None and slots.valid and slots.owner is self:
+            return slots
+        self._slots = None
+        if self._k is None:
+            return None
+        be = self._backend
+        k, v = be.attention_form(self._k), be.attention_form(self._v)
+        slots = _Slots(self, k, v, self._max_seq_len)
+        self._slots = weakref.ref(slots)  # the slots hold the cache: no cycle back
+        return slots
+
+    def _live_slots(self) -> _Slots | None:
+        ref = self.__dict__.get("_slots")  # absent while the base initialises
+        return None if ref is None else ref()
+
+    def _hold(self, slots: _Slots, pos: int, n: int) -> None:
+        """``slots.commit``: hold ``n`` positions a kernel wrote at ``pos``."""
+        if slots is not self._live_slots() or not slots.valid:
+            raise InvalidArgumentError(
+                "these write slots were made for buffers this cache has since replaced or "
+                "dropped; ask write_slots() again"
+            )
+        if pos != self._seq_len or n < 0 or pos + n > self._max_seq_len:
+            raise InvalidArgumentError(
+                f"commit(pos={pos}, n={n}): the cache holds {self._seq_len} of "
+                f"{self._max_seq_len} positions, so the next n positions go at pos = "
+                f"{self._seq_len}, and at most {self._max_seq_len - self._seq_len} fit"
+            )
+        self._seq_len = pos + n
 
     def _back_to(self, held: int) -> Callable[[], None]:
         def undo() -> None:  # the fast path never grows: the cursor is all there is
@@ -359,3 +404,24 @@ class LayerKVCache(BaseKVCache):
             )
         if d.seq:
             self._backend.write_cache(self._backend.to_kernel(arr), 0, self._vk)
+
+
+class _Slots:
+    """A LayerKVCache's buffers as slots (:class:`nbkv.protocol.WriteSlots`)."""
+
+    __slots__ = ("owner", "k", "v", "capacity", "valid", "__weakref__")
+
+    def __init__(self, owner: LayerKVCache, k: Any, v: Any, capacity: int) -> None:
+        self.owner, self.k, self.v, self.capacity, self.valid = owner, k, v, capacity, True
+
+    def held(self) -> int:
+        """Positions held: the next one is written there."""
+        return self.owner.seq_len
+
+    def commit(self, pos: int, n: int) -> None:
+        """Hold ``n`` positions a kernel wrote at ``[pos, pos + n)``."""
+        self.owner._hold(self, pos, n)
+
+    def __repr__(self) -> str:
+        state = "valid" if self.valid else "stale"
+        return f"<write slots of a LayerKVCache, capacity {self.capacity}, {state}>"

@@ -334,6 +334,30 @@ class CUDABackend(CUDAPaged):
         head = (q, k, v, int(pos), k_cache, v_cache)
         self._launch(True, head, q, k_cache, v_cache, span, scale, causal, window, out)
 
+    def bind_append_attend(self, q, k, v, k_cache, v_cache, out):
+        """``append_attend`` for later calls on this thread with arrays of exactly these
+        classes, shapes, strides and dtypes (the caller checks that): the launch plan
+        looked up once, not per call. A call from another thread takes ``append_attend``
+        (launch plans and their scratch are per thread)."""
+        family = self._families(True)
+        if not hasattr(family, "specialise"):  # a stand-in for the kernels (tests)
+            return self.append_attend
+        tail = (np.float32(1.0), True, 0, self._dev.empty_table())
+        plan = self._plan_for(family, True, (q, k, v, 0, k_cache, v_cache), tail, out)
+        thread, seq_axis, empty = threading.get_ident(), self.seq_axis, tail[3]
+
+        def append_attend(q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out):
+            if threading.get_ident() != thread:
+                plain = self.append_attend
+                plain(q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out)
+                return
+            span = _span(pos + k.shape[seq_axis], q.shape[2], window)
+            head = (q, k, v, int(pos), k_cache, v_cache)
+            tail = (np.float32(scale), bool(causal), int(window), empty)
+            self._run_plan(plan, span, head, tail, out)
+
+        return append_attend
+
     def _launch(self, fused, head, q, k_cache, v_cache, span, scale, causal, window, out):
         """Launch through this thread's cached plan for these arrays' signature (made on
         first use: the specialised kernel, typed once, and per split count a configured
@@ -343,6 +367,11 @@ class CUDABackend(CUDAPaged):
         if not hasattr(family, "specialise"):  # a stand-in for the kernels (tests)
             self._launch_generic(family, q, k_cache, span, head + tail, out)
             return
+        self._run_plan(self._plan_for(family, fused, head, tail, out), span, head, tail, out)
+
+    def _plan_for(self, family, fused: bool, head: tuple, tail: tuple, out) -> _KernelPlan:
+        """This thread's launch plan for these arrays' signature, made on first use."""
+        q, k_cache, v_cache = head[0], head[4 if fused else 1], head[5 if fused else 2]
         plans = self._dev.plans()
         # what the kernel was typed for; the cache validated that v matches k and out q
         key = (
@@ -354,6 +383,12 @@ class CUDABackend(CUDAPaged):
         plan = plans.get(key)
         if plan is None:
             plan = plans[key] = _KernelPlan(self._dev, family, head, tail, out, self._bshd)
+        return plan
+
+    @staticmethod
+    def _run_plan(plan: _KernelPlan, span: int, head: tuple, tail: tuple, out) -> None:
+        """Launch ``plan``'s grid for ``span`` (configured and its scratch made on first
+        use); if the launch fails, forget the scratch."""
         splits = plan.splits(span)
         grid = plan.grids.get(splits)
         if grid is None:

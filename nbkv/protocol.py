@@ -46,6 +46,20 @@ change in between (another append, a trim, a growth, another cache) makes
 ``stage_append`` / ``commit_append`` raise :class:`~nbkv.InvalidArgumentError` rather
 than write where the plan no longer fits.
 
+``write_slots() -> WriteSlots | None``
+    For a caller whose own kernel writes new positions and reads them in one launch, call
+    after call (:class:`nbkv.DecodeStep`): the cache's buffers as slots, valid until the
+    cache replaces its buffers. ``k`` and ``v`` are the buffers in the form the attention
+    kernels read (as ``attention_view`` gives them), ``capacity`` the positions they hold,
+    ``held()`` the positions held (the next one is written there), ``commit(pos, n)``
+    holds ``n`` positions a kernel wrote at ``[pos, pos + n)``, and ``valid`` turns False
+    once the buffers are replaced or dropped (a growth, ``deallocate``, a state loaded);
+    ``commit`` then raises :class:`~nbkv.InvalidArgumentError`, as it does when the
+    cache moved since ``pos`` or the positions do not fit. Nothing is checked but that:
+    the caller has checked the arrays its kernel writes against ``k`` and ``v``. ``None``
+    where positions are not contiguous slots of the buffers (a ring, a quantized cache)
+    or there are no buffers yet.
+
 ``append(k, v, *, undoable=False)`` is the three in a row (a LayerKVCache adds a fast
 path for the decode loop), returning the undo function when asked. ``check_room(n)`` raises
 :class:`~nbkv.CacheOverflowError` unless ``n`` more positions would fit (a ring always
@@ -109,6 +123,7 @@ from .errors import ArgumentTypeError, CacheFormatError
 __all__ = [
     "AppendPlan",
     "StagedAppend",
+    "WriteSlots",
     "AttentionView",
     "LayerState",
     "CacheState",
@@ -156,6 +171,19 @@ class StagedAppend(NamedTuple):
     fused: tuple[Any, Any, int] | None  # (k_buffer, v_buffer, pos) for a fused kernel
     storage: Any  # the cache's own: buffers to install on commit, or None
     key: tuple  # as AppendPlan.key: commit_append refuses a staged append gone stale
+
+
+class WriteSlots(Protocol):
+    """A cache's buffers as slots a caller's kernel writes (see ``write_slots``)."""
+
+    k: Any  # the buffers in the attention kernels' form
+    v: Any
+    capacity: int
+    valid: bool  # False once the cache replaced or dropped these buffers
+
+    def held(self) -> int: ...
+
+    def commit(self, pos: int, n: int) -> None: ...
 
 
 class AttentionView(NamedTuple):
@@ -254,6 +282,8 @@ class LayerCache(Protocol):
     def append(self, k: Any, v: Any, *, undoable: bool = False) -> Callable[[], None] | None: ...
 
     def check_room(self, n: int) -> None: ...
+
+    def write_slots(self) -> WriteSlots | None: ...
 
     def attention_view(self, n_q: int, window: int | None) -> AttentionView: ...
 

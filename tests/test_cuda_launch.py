@@ -479,3 +479,51 @@ def test_the_launch_function_is_read_at_every_launch(monkeypatch, rng):
     monkeypatch.setattr(nd, "launch", lambda *a: second.append(a))
     prepared(*args)
     assert len(first) == len(second) == 1
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_a_decode_steps_bound_launches_are_append_and_attends_launches(rng, dtype, layout):
+    """Offline (fake device memory, launches recorded): ``nbkv.DecodeStep`` launches the
+    same kernel with the same parameters as ``append_and_attend`` on the same cache and
+    position, step after step over two caches taking turns, every launch prepared."""
+    from nbkv.cuda_offline import offline_cuda
+
+    with offline_cuda(seed=int(rng.integers(1 << 30))) as launches:
+        arrays = OfflineArrays(rng)
+        caches, steps, outs = [], [], []
+        q = arrays((2, 16, 1, 128), np.float32)
+        for held in (5, 9):
+            cache = nbkv.LayerKVCache(
+                64, batch=2, num_kv_heads=4, head_dim=128, dtype=dtype, layout=layout,
+                device="cuda",
+            )  # fmt: skip
+            kv = arrays(shape_of(layout, 2, 4, held, 128), np.dtype(dtype))
+            cache.append(kv, kv)
+            caches.append(cache)
+            outs.append(arrays.like(q))
+            steps.append(nbkv.DecodeStep(cache, window=7, out=outs[-1]))
+        k = arrays(shape_of(layout, 2, 4, 1, 128), np.dtype(dtype))
+        prepared = cuda_launch.PreparedLaunch.__call__
+        counted = []
+
+        def count(self, *args):
+            counted.append(1)
+            return prepared(self, *args)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cuda_launch.PreparedLaunch, "__call__", count)
+            for i in range(8):
+                cache, step = caches[i % 2], steps[i % 2]
+                args = (arrays.like(q), arrays.like(k), arrays.like(k))
+                held = cache.seq_len
+                launches.clear()
+                nbkv.append_and_attend(*args, cache, window=7, out=outs[i % 2])
+                want = launches[:]
+                cache.crop(held)
+                launches.clear()
+                step(*args)
+                assert cache.seq_len == held + 1 and len(launches) == len(want) == 1
+                _same_call(launches[0], want[0])
+        assert [s.fast_calls for s in steps] == [3, 3]
+        assert len(counted) == 16  # both ways, every launch prepared (after the first)
