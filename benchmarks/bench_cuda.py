@@ -37,8 +37,11 @@ Three parts, each checked before it is timed:
 - **host path**: one decode step of one layer, batch 1, 8 KV heads, 32 query heads,
   head_dim 128, float16, 1,024 positions held (1,024 to 1,280 as the step repeats):
   ``append`` alone, ``attention`` alone, ``append`` then ``attention`` (``out=`` given),
-  and the fused ``nbkv.append_and_attend``, on the CPU backend and the CUDA backend side
-  by side. The fused step is checked against the two calls, and both against float64.
+  the fused ``nbkv.append_and_attend``, and ``step(q, k, v)`` of a ``nbkv.DecodeStep``
+  (append_and_attend with its unchanging checks made once, by its first call), on the CPU
+  backend and the CUDA backend side by side. The fused step is checked against the two
+  calls, both against float64, and the DecodeStep's bound call against the fused step,
+  bit for bit.
 
 Timing (the GPU parts), per method: warm-up calls first (the first one, synchronised,
 is reported as the JIT/first-call time, in no other figure); then each timed call runs
@@ -916,6 +919,14 @@ def bench_host(dev: Device, sizes: Sizes, timer: Timer) -> dict:
             ok, err = _close(got, want, *TOL["float16"])
             if not ok:
                 raise WrongResult(f"host path on {device}: {what} off by {err:.3g} (float64)")
+        bound = nbkv.DecodeStep(cache, out=out)
+        for _ in range(2):  # checked (and bound), then the bound path
+            cache.crop(seq)
+            got = nbkv.to_host(bound(qq, kk[0], vv[0]))
+            if not np.array_equal(got.view(np.uint16), fused.view(np.uint16)):
+                raise WrongResult(f"host path on {device}: DecodeStep differs from the fused")
+        if bound.fast_calls != 1:
+            raise WrongResult(f"host path on {device}: DecodeStep did not bind ({bound})")
         cache.crop(seq)
 
         def room(cache=cache):
@@ -945,12 +956,18 @@ def bench_host(dev: Device, sizes: Sizes, timer: Timer) -> dict:
             k, v = kk[i % tokens], vv[i % tokens]
             return lambda: nbkv.append_and_attend(qq, k, v, cache, out=out)
 
+        def bound_step(i, kk=kk, vv=vv, qq=qq, bound=bound):
+            room()
+            k, v = kk[i % tokens], vv[i % tokens]
+            return lambda: bound(qq, k, v)
+
         res = {}
         for name, prepare in (
             ("append", append),
             ("attention", attend),
             ("append + attention", step),
             ("append_and_attend", fused_step),
+            ("DecodeStep", bound_step),
         ):
             run = timer.run if device == "cuda" else timer.run_host
             res[name] = run(f"host path {device}: {name}", prepare)
@@ -1083,7 +1100,7 @@ def targets(results: dict, sizes: Sizes) -> list[tuple[str, bool | None, str]]:
     else:
         out.append((what, None, "not measured (or torch not importable)"))
     host = results.get("host", {}).get("cuda", {}).get("methods", {})
-    for name in ("append + attention", "append_and_attend"):
+    for name in ("append + attention", "append_and_attend", "DecodeStep"):
         what = f"host path on CUDA, {name}: <= {TARGET_HOST_US:g} us host time per layer per step"
         if name in host:
             us = host[name]["host_us"]

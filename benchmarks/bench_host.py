@@ -4,9 +4,12 @@ One layer's decode step: batch 1, 32 query / 8 KV heads, head_dim 128, one new p
 appended to a ``LayerKVCache`` that holds ``held`` positions, then attention of one query
 per head over ``held + 1``. The caches hold few positions (1 and 64 by default), so
 the kernels' own time is small and the Python around them shows. Per dtype (float32,
-float16, bfloat16; float32 queries), four contenders, each run once per round in an order
+float16, bfloat16; float32 queries), five contenders, each run once per round in an order
 that rotates, the cache cropped back to ``held`` before each call (outside the timer):
 
+- "DecodeStep": ``step(q, k, v)``, a :class:`nbkv.DecodeStep` of the cache made with
+  ``out=out`` and bound by the check's call: append_and_attend with its unchanging checks
+  made once (every timed call must take its bound path; counted);
 - "append_and_attend": ``nbkv.append_and_attend(q, k, v, cache, out=out)``;
 - "append + attention": ``cache.append(k, v)`` then ``nbkv.attention(q, cache, out=out)``;
 - "attention": ``nbkv.attention(q, cache, out=out)`` alone, over ``held + 1`` positions;
@@ -15,7 +18,7 @@ that rotates, the cache cropped back to ``held`` before each call (outside the t
   calling-thread kernel that the API picks for this little work; 16-bit K/V as their
   ``uint16`` bits), Numba's dispatch included.
 
-Before anything is timed, the outputs of the first three are checked bit for bit
+Before anything is timed, the outputs of the first four are checked bit for bit
 against the kernels' and against ``nbkv.reference.attention`` in float64, and each
 contender's append against the positions it wrote. Reported per contender: median, p10
 and p90 microseconds per call; "over kernels" is the median minus the kernels' median:
@@ -52,11 +55,11 @@ from nbkv.kernels.cpu_attention import attend_serial  # noqa: E402
 HEADS, KV_HEADS, DIM = 32, 8, 128
 DTYPES = ("float32", "float16", "bfloat16")
 GPU_TARGET_US = 10.0  # the GPU's target (issue 14), printed beside the fused call's figure
-METHODS = ("append_and_attend", "append + attention", "attention", "kernels")
+METHODS = ("DecodeStep", "append_and_attend", "append + attention", "attention", "kernels")
 
 
 class Step:
-    """One dtype's cache, inputs and the four contenders over it."""
+    """One dtype's cache, inputs and the five contenders over it."""
 
     def __init__(self, dtype: str, held: int, seed: int) -> None:
         rng = np.random.default_rng(seed)
@@ -74,6 +77,7 @@ class Step:
         self.cache.append(self.k0, self.v0)
         self.q = rng.standard_normal((1, HEADS, 1, DIM)).astype(np.float32)
         self.outs = {m: np.empty_like(self.q) for m in METHODS}
+        self.step = nbkv.DecodeStep(self.cache, out=self.outs["DecodeStep"])
         self.scale = DIM**-0.5
         self.table = nbkv.dtypes.widen_table(storage)
         # the kernels' arguments: the cache's buffers as attention reads them (the whole
@@ -89,6 +93,10 @@ class Step:
         cache, q, k, v, outs = self.cache, self.q, self.k, self.v, self.outs
         held, scale, table = self.held, self.scale, self.table
         k_buf, v_buf, k_bits, v_bits = self.k_buf, self.v_buf, self.k_bits, self.v_bits
+        bound = self.step
+
+        def decode_step():
+            bound(q, k, v)
 
         def fused():
             nbkv.append_and_attend(q, k, v, cache, out=outs["append_and_attend"])
@@ -104,8 +112,9 @@ class Step:
             write_kv(k_bits, v_bits, held, k_buf, v_buf)
             attend_serial(q, k_buf, v_buf, held + 1, scale, True, 0, table, outs["kernels"])
 
-        return {"append_and_attend": fused, "append + attention": split,
-                "attention": attention, "kernels": kernels}  # fmt: skip
+        return {"DecodeStep": decode_step, "append_and_attend": fused,
+                "append + attention": split, "attention": attention,
+                "kernels": kernels}  # fmt: skip
 
     def reset(self, method: str) -> None:
         """Back to ``held`` positions; "attention" reads ``held + 1``, the new one written."""
@@ -204,7 +213,10 @@ def main(argv: list[str] | None = None) -> dict:
         for dtype in DTYPES:
             step = Step(dtype, held, seed=held)
             step.check(step.calls())
+            fast = step.step.fast_calls
             s = summary(measure(step, rounds, warmup))
+            if step.step.fast_calls - fast != rounds + warmup:
+                raise AssertionError("DecodeStep: a timed call did not take its bound path")
             results[f"{dtype}, {held} held"] = s
             print(f"\n{dtype}, {held} positions held (+1 appended)")
             head = ("median", "p10", "p90")
@@ -219,10 +231,11 @@ def main(argv: list[str] | None = None) -> dict:
         f"the GPU's target for it is {GPU_TARGET_US:g} us per layer per decode step)"
     )
     for name, s in results.items():
-        fused, split = s["append_and_attend"], s["append + attention"]
+        bound, fused, split = s["DecodeStep"], s["append_and_attend"], s["append + attention"]
         print(
-            f"{name}: append_and_attend adds {fused['over_kernels_us']:.2f} us to its kernels, "
-            f"append + attention {split['over_kernels_us']:.2f} us; fused / split time "
+            f"{name}: DecodeStep adds {bound['over_kernels_us']:.2f} us to its kernels, "
+            f"append_and_attend {fused['over_kernels_us']:.2f} us, append + attention "
+            f"{split['over_kernels_us']:.2f} us; fused / split time "
             f"{fused['median_us'] / split['median_us']:.3f}"
         )
     payload = {"machine": info, "rounds": rounds, "warmup": warmup, "results": results,

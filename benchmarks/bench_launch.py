@@ -36,7 +36,9 @@ Then the whole decode step on the CUDA backend, without a GPU
 nbkv's Python and the launches' marshalling run): a float16 ``LayerKVCache(device="cuda")``
 holding 1,024 positions, cropped back before each call (outside the timer), q, k and v new
 device arrays each call (as a model's step makes them), ``out`` kept, 4 such caches
-taking turns (as a model's layers do). Steps:
+taking turns (as a model's layers do). Steps: ``step(q, k, v)`` of the cache's
+:class:`nbkv.DecodeStep` (made with ``out=out``; its checks made once, by its first call:
+every later call must take its bound path, checked after the run), then
 ``append_and_attend(q, k, v, cache, out=out)`` (one fused launch), ``cache.append(k, v)``
 then ``attention(q, cache, out=out)`` (two launches), ``attention`` alone, ``append``
 alone; each with the prepared launches ("prepared") and through Numba's launch code
@@ -79,6 +81,7 @@ try:  # cuda.core's packing of a parameter list, the first thing its launch does
 except ImportError:
     PACK = None
 STEPS = {  # the launches each step records
+    "DecodeStep": ["append_and_attend"],
     "append_and_attend": ["append_and_attend"],
     "append + attention": ["append", "attention"],
     "attention": ["attention"],
@@ -196,6 +199,8 @@ class Step:
         self.q = arrays((1, HEADS, 1, DIM), np.float32)
         self.k = arrays((1, KV_HEADS, 1, DIM), np.float16)
         self.out = arrays(self.q.shape, np.float32)
+        # one bound step per cache, as a model keeps one per layer
+        self.steps = {id(c): nbkv.DecodeStep(c, out=self.out) for c in self.caches}
 
     def inputs(self) -> tuple:
         """New q, k and v device arrays (no values: nothing runs)."""
@@ -204,7 +209,9 @@ class Step:
 
     def run(self, name: str, cache, q, k, v) -> None:
         out = self.out
-        if name == "append_and_attend":
+        if name == "DecodeStep":
+            self.steps[id(cache)](q, k, v)
+        elif name == "append_and_attend":
             nbkv.append_and_attend(q, k, v, cache, out=out)
         elif name == "append + attention":
             cache.append(k, v)
@@ -342,6 +349,9 @@ def main(argv: list[str] | None = None) -> dict:
             step = Step(launches, seed=7)
             step.check()
             steps = measure_steps(step, rounds, warmup)
+            checked = sum(s.checked_calls for s in step.steps.values())
+            if checked != LAYERS:  # the first call of each: every other one bound
+                raise AssertionError(f"DecodeStep: {checked} calls checked, not {LAYERS}")
         data["steps"] = {n: {m: summary(t) for m, t in r.items()} for n, r in steps.items()}
         print()
         print("one layer's decode step on the CUDA backend, no GPU (launches recorded, not run)")
@@ -349,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name, result in data["steps"].items():
             numba, prepared = result["numba"]["median_us"], result["prepared"]["median_us"]
             line = f"{name:<19} {numba:>9.2f} {prepared:>11.2f} {numba / prepared:>5.1f}x"
-            if name == "append_and_attend":
+            if name in ("DecodeStep", "append_and_attend"):
                 line += f"   (the GPU's target: {GPU_TARGET_US:.0f} us, a launch included)"
             print(line)
     if args.json:
