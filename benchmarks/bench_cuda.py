@@ -972,6 +972,8 @@ def bench_host(dev: Device, sizes: Sizes, timer: Timer) -> dict:
             run = timer.run if device == "cuda" else timer.run_host
             res[name] = run(f"host path {device}: {name}", prepare)
             cache.crop(seq)
+        if bound.checked_calls != 1:  # its check's first call; every timed one bound
+            raise WrongResult(f"host path on {device}: DecodeStep calls were checked ({bound})")
         results[device] = {
             "case": {
                 "batch": 1,

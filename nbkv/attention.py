@@ -55,7 +55,8 @@ class _Plan(NamedTuple):
     table: Any
 
 
-def _check_options(scale: Any, causal: Any, window: Any) -> tuple[Any, bool, int | None]:
+def check_options(scale: Any, causal: Any, window: Any) -> tuple[Any, bool, int | None]:
+    """``(scale, causal, window)`` checked as ``attention`` takes them, or a typed error."""
     if not isinstance(causal, (bool, np.bool_)):
         raise ArgumentTypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     if window is not None:
@@ -78,6 +79,23 @@ def _check_options(scale: Any, causal: Any, window: Any) -> tuple[Any, bool, int
         if not math.isfinite(scale):
             raise InvalidArgumentError(f"scale must be a finite real number, got {scale}")
     return scale, bool(causal), window
+
+
+def kernel_scale(scale: float | None, head_dim: int) -> float:
+    """The scale the kernels take: ``scale``, or ``head_dim ** -0.5`` when None."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+
+def kernel_window(window: int | None, seq_len: int) -> int:
+    """The window the kernels take over ``seq_len`` positions: 0 for none, and for a
+    window that reaches back past position 0 for every query (no window at all)."""
+    return 0 if window is None or window >= seq_len else window
+
+
+def accumulator(q_dtype: np.dtype, kv_dtype: np.dtype) -> np.dtype:
+    """float32, or float64 where q or K/V is float64 (16-bit storage is accumulated in
+    float32)."""
+    return _F64 if _F64 in (q_dtype, kv_dtype) else _F32
 
 
 def _adopt_q(q: Any, backend) -> Any:
@@ -154,12 +172,10 @@ def _plan(q, backend, kv_dims, dtype, options, out) -> _Plan:
     if n_q > seq_len:
         raise _too_many_queries(n_q, seq_len)
     scale, causal, window = options
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    # a window that reaches back past position 0 for every query is no window at all
-    window = 0 if window is None or window >= seq_len else window
+    scale = kernel_scale(scale, head_dim)
+    window = kernel_window(window, seq_len)
     q_dtype = np.dtype(q.dtype)
-    # 16-bit storage is accumulated in float32; float64 anywhere means float64
-    acc = _F64 if _F64 in (q_dtype, dtype) else _F32
+    acc = accumulator(q_dtype, dtype)
     if out is not None:
         out = backend.adopt(out, "out")
         if tuple(out.shape) != tuple(q.shape):
@@ -251,7 +267,7 @@ def attention(
     >>> o.shape, bool(np.allclose(o, nbkv.reference.attention(q, k, k), atol=1e-6))
     ((1, 8, 1, 8), True)
     """
-    options = _check_options(scale, causal, window)
+    options = check_options(scale, causal, window)
     if is_layer_cache(kv):
         if layout is not None and layout != kv.layout:
             raise InvalidArgumentError(
@@ -310,7 +326,7 @@ def append_and_attend(
     """
     if not is_layer_cache(cache):
         raise ArgumentTypeError(f"cache must be a layer cache, got {type(cache).__name__}")
-    options = _check_options(scale, causal, window)
+    options = check_options(scale, causal, window)
     be = get_backend(cache.device, cache.layout)
     if not be.fused_append_attend:
         undo = cache.append(k, v, undoable=True)  # its own decode fast path

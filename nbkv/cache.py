@@ -147,7 +147,7 @@ class LayerKVCache(BaseKVCache):
         self._fast = None
         slots = self._live_slots()
         if slots is not None and slots.owner is self:  # a copy starts from our __dict__
-            slots.valid = False
+            slots._drop()  # stale, and holding the buffers no longer (deallocate frees)
         self._slots = None
 
     def _check_room(self, n: int, what: str) -> None:
@@ -245,9 +245,31 @@ class LayerKVCache(BaseKVCache):
         return undo
 
     def write_slots(self) -> _Slots | None:
-        """The buffers as slots for a caller's kernel that writes new positions itself
-        (:class:`nbkv.DecodeStep`; see :mod:`nbkv.protocol`), or None before the buffers
-        exist. The same object until the buffers are replaced or dropped."""
+        """The buffers as slots for a caller's kernel that writes new positions itself.
+
+        What :class:`nbkv.DecodeStep` binds to (the protocol's optional ``write_slots``,
+        :mod:`nbkv.protocol`): ``k``, ``v`` (the buffers in the attention kernels' form),
+        ``capacity``, ``held()``, ``commit(pos, n)`` and ``valid``, which turns False (and
+        the slots let go of the buffers) once the cache replaces or drops its buffers.
+
+        Returns
+        -------
+        The slots, or None while the cache has no buffers. While anyone holds them and
+        they are valid, every call returns the same object (the cache holds it weakly).
+
+        Examples
+        --------
+        >>> import numpy as np, nbkv
+        >>> cache = nbkv.LayerKVCache(4, batch=1, num_kv_heads=1, head_dim=2, dtype="float32")
+        >>> slots = cache.write_slots()
+        >>> slots.k[0, 0, 0] = 1.0  # as a kernel would write position 0
+        >>> slots.commit(slots.held(), 1)
+        >>> cache.seq_len, cache.get_kv()[0][0, 0, 0].tolist()
+        (1, [1.0, 1.0])
+        >>> cache.deallocate()
+        >>> slots.valid, slots.k is None
+        (False, True)
+        """
         slots = self._live_slots()
         if slots is not None and slots.valid and slots.owner is self:
             return slots
@@ -409,10 +431,19 @@ class LayerKVCache(BaseKVCache):
 class _Slots:
     """A LayerKVCache's buffers as slots (:class:`nbkv.protocol.WriteSlots`)."""
 
-    __slots__ = ("owner", "k", "v", "capacity", "valid", "__weakref__")
+    __slots__ = ("owner", "k", "v", "capacity", "_valid", "__weakref__")
 
     def __init__(self, owner: LayerKVCache, k: Any, v: Any, capacity: int) -> None:
-        self.owner, self.k, self.v, self.capacity, self.valid = owner, k, v, capacity, True
+        self.owner, self.k, self.v, self.capacity, self._valid = owner, k, v, capacity, True
+
+    @property
+    def valid(self) -> bool:
+        """False once the cache replaced or dropped these buffers."""
+        return self._valid
+
+    def _drop(self) -> None:
+        self._valid = False
+        self.k = self.v = None
 
     def held(self) -> int:
         """Positions held: the next one is written there."""

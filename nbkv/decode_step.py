@@ -6,8 +6,9 @@ In a decode loop all of that is the same from one step to the next but the curso
 on a GPU, where a step's kernels take a few microseconds, that Python is much of the
 step. A :class:`DecodeStep` is bound to one cache and its options: it makes the first
 call through ``append_and_attend`` and keeps what that call checked; a later call with
-arrays like the last checked one checks only that they are, that the cache's buffers
-are the same (its write slots, :mod:`nbkv.protocol`) and that the new positions fit,
+arrays like the last checked one (class, shape, strides, dtype) checks only that they
+are, that the cache's buffers are the same (its write slots, :mod:`nbkv.protocol`) and
+that the new positions fit,
 then calls the same backend method with the same arguments (the fused kernel on CUDA,
 the append and attention kernels on the CPU) and holds the new positions.
 
@@ -23,24 +24,28 @@ the append and attention kernels on the CPU) and holds the new positions.
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from .attention import _check_options, append_and_attend
+from .attention import (
+    accumulator,
+    append_and_attend,
+    check_options,
+    kernel_scale,
+    kernel_window,
+)
 from .backends import get_backend
 from .errors import ArgumentTypeError
 from .protocol import is_layer_cache
 
 __all__ = ["DecodeStep"]
 
-_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
-
 
 class _Bound(NamedTuple):
     """What a checked call found, for the calls like it."""
 
+    backend: Any  # the cache's backend
     kind: type  # the backend's array class: q, k and v are of it
     q_shape: tuple
     kv_shape: tuple
@@ -59,6 +64,7 @@ class _Bound(NamedTuple):
     table: Any
     result: Any  # what the kernel writes, when not cast
     out: Any  # what the call returns
+    host_out: bool  # out is a host array: its writeable flag is checked every call
     launch: Any  # the backend's append_attend, bound to these arrays' signature
 
 
@@ -69,33 +75,37 @@ class DecodeStep:
     Parameters
     ----------
     cache : a layer cache
-        A :class:`~nbkv.LayerKVCache` takes the bound path. A cache without write
-        slots (a ring, a quantized cache) gets ``append_and_attend`` every call.
+        A cache with write slots (:class:`~nbkv.LayerKVCache`) takes the bound path; one
+        without (a ring, a quantized cache) gets ``append_and_attend`` every call.
     scale, causal, window : as :func:`nbkv.append_and_attend`, fixed for the step
     out : array, optional
         Written in place by every call. Without it, the first checked call allocates the
         output and later calls like it write that same array again: each call's result
-        is valid until the next call.
+        is valid until the next call (and is not to be passed back in as q, k or v).
 
     Calling ``step(q, k, v)`` returns what ``append_and_attend(q, k, v, cache, ...)``
     returns, bit for bit, and leaves the cache as it would. The first call, and any call
-    whose q, k or v differs in class, shape or dtype from the last checked one, or that
-    finds the cache's buffers replaced (a growth, a load, ``deallocate``), its new
+    whose q, k or v differs in class, shape, strides or dtype from the last checked one,
+    or that finds the cache's buffers replaced (a growth, a load, ``deallocate``), its new
     positions not fitting, or the queries more than the positions held, goes through
     ``append_and_attend`` with every check (and raises what it raises, changing
-    nothing). Otherwise the step reads the cursor and calls the backend's fused
-    ``append_attend`` with the arrays as they are (on CUDA: one launch, its parameter list
-    prepared, :mod:`nbkv.cuda_launch`), then holds the positions; if the launch raises,
-    nothing is held. What it does not check again is what cannot change without changing
-    what it checks: the arrays' devices (their class), the heads and sizes against the
-    cache's (the buffers are the same), the options and ``out``.
+    nothing). Otherwise the step reads the cursor, calls the backend's ``append_attend``
+    with the arrays as they are (on CUDA one launch, its plan looked up once and its
+    parameter list prepared, :mod:`nbkv.cuda_launch`), and then holds the positions; if
+    the kernel raises, nothing is held. What it does not check again cannot change
+    without changing what it checks: the arrays' devices (their class), the heads and
+    sizes against the cache's (the buffers are the same), the options and ``out`` (whose
+    writeable flag it reads again on the CPU).
 
     Attributes
     ----------
-    cache : the cache it is bound to
+    cache : the cache it is bound to (read-only)
     checked_calls, fast_calls : int
-        How many calls went through ``append_and_attend``, and how many took the bound
-        path.
+        Calls that went through ``append_and_attend`` and returned, and calls that took
+        the bound path.
+    bind_error : Exception or None
+        Why the last checked call could not bind, should binding itself fail (the call
+        had succeeded, so it is not raised); None otherwise.
 
     Raises
     ------
@@ -114,21 +124,41 @@ class DecodeStep:
     ) -> None:
         if not is_layer_cache(cache):
             raise ArgumentTypeError(f"cache must be a layer cache, got {type(cache).__name__}")
-        self._scale, self._causal, self._window = _check_options(scale, causal, window)
-        self.cache = cache
+        self._scale, self._causal, self._window = check_options(scale, causal, window)
+        self._cache = cache
         self._out = out
         self._bound: _Bound | None = None
         self.checked_calls = 0
         self.fast_calls = 0
+        self.bind_error: Exception | None = None
+
+    @property
+    def cache(self) -> Any:
+        """The cache this step appends to and attends over."""
+        return self._cache
 
     def __repr__(self) -> str:
         state = "bound" if self._bound is not None else "not bound"
         return (
-            f"DecodeStep({type(self.cache).__name__}, {state}, checked_calls="
+            f"DecodeStep({type(self._cache).__name__}, {state}, checked_calls="
             f"{self.checked_calls}, fast_calls={self.fast_calls})"
         )
 
     def __call__(self, q: Any, k: Any, v: Any) -> Any:
+        """Append ``k``, ``v`` to the cache and attend ``q`` over it.
+
+        Parameters
+        ----------
+        q, k, v : as :func:`nbkv.append_and_attend`
+
+        Returns
+        -------
+        ``out`` (the given one, or the step's own), as ``append_and_attend`` returns it.
+
+        Raises
+        ------
+        What ``append_and_attend`` raises, the cache unchanged.
+        """
         b = self._bound
         if (
             b is not None
@@ -145,6 +175,7 @@ class DecodeStep:
             and k.strides == b.k_strides
             and v.strides == b.v_strides
             and b.slots.valid
+            and not (b.host_out and not b.out.flags.writeable)
         ):
             slots = b.slots
             pos = slots.held()
@@ -154,41 +185,42 @@ class DecodeStep:
         return self._checked_call(q, k, v)
 
     def _bound_call(self, b: _Bound, q, k, v, pos: int, end: int):
-        window = self._window
-        if window is None or window >= end:  # as attention's plan: no window at all
-            window = 0
         if b.bits is not None:
             k, v = k.view(b.bits), v.view(b.bits)
-        be = self._backend
+        be = b.backend
         if b.cast:
             q, result, _ = be.attention_arrays(q, b.acc, b.out)
         else:
             result = b.result
         slots = b.slots
+        window = kernel_window(self._window, end)
         b.launch(q, k, v, pos, slots.k, slots.v, b.scale, self._causal, window, b.table, result)
-        slots.commit(pos, b.n)
+        out = be.finish_attention(result, b.out)
+        slots.commit(pos, b.n)  # last: if anything above raised, nothing is held
         self.fast_calls += 1
-        return be.finish_attention(result, b.out)
+        return out
 
     def _checked_call(self, q, k, v):
-        cache = self.cache
         out = append_and_attend(
-            q, k, v, cache, scale=self._scale, causal=self._causal, window=self._window,
-            out=self._out,
+            q, k, v, self._cache, scale=self._scale, causal=self._causal,
+            window=self._window, out=self._out,
         )  # fmt: skip
         self.checked_calls += 1
+        self._bound = None
         try:
             self._bound = self._bind(q, k, v, out)
-        except Exception:  # the call itself succeeded: it is not to fail for a speed-up
-            self._bound = None
+            self.bind_error = None
+        except Exception as e:  # the call itself succeeded: not to fail for a speed-up
+            self.bind_error = e
         return out
 
     def _bind(self, q, k, v, out) -> _Bound | None:
         """What the call that just succeeded checked, or None where the bound path
         does not serve (no write slots, arrays not of the backend's class)."""
-        cache = self.cache
-        self._backend = be = get_backend(cache.device, cache.layout)
-        slots = cache.write_slots()
+        cache = self._cache
+        be = get_backend(cache.device, cache.layout)
+        write_slots = getattr(cache, "write_slots", None)  # optional in the protocol
+        slots = None if write_slots is None else write_slots()
         kind = be.array_type
         if slots is None or not type(q) is type(k) is type(v) is kind or k.dtype is not v.dtype:
             return None
@@ -196,15 +228,14 @@ class DecodeStep:
         if n == 0:
             return None
         q_dtype, dtype = q.dtype, cache.dtype
-        acc = _F64 if _F64 in (q_dtype, dtype) else _F32
-        scale = 1.0 / math.sqrt(q.shape[3]) if self._scale is None else self._scale
+        acc = accumulator(q_dtype, dtype)
         q_kernel, result, _ = be.attention_arrays(q, acc, out)
         cast = q_kernel is not q or result is not out
         bits = None if k.dtype == slots.k.dtype else slots.k.dtype
         kk, vv = (k, v) if bits is None else (k.view(bits), v.view(bits))
         launch = be.bind_append_attend(q_kernel, kk, vv, slots.k, slots.v, result)
         return _Bound(
-            kind, q.shape, k.shape, q.strides, k.strides, v.strides, q_dtype, k.dtype, n,
-            q.shape[2], slots, bits, acc, cast, scale, be.attention_table(dtype), result,
-            out, launch,
+            be, kind, q.shape, k.shape, q.strides, k.strides, v.strides, q_dtype, k.dtype,
+            n, q.shape[2], slots, bits, acc, cast, kernel_scale(self._scale, q.shape[3]),
+            be.attention_table(dtype), result, out, isinstance(out, np.ndarray), launch,
         )  # fmt: skip

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .attention import _check_options
+from .attention import check_options
 from .dtypes import check_supported
 from .errors import ArgumentTypeError, ShapeMismatchError
 
@@ -61,7 +61,7 @@ def _prepare(q, view, scale, window, out):
     """Every check and allocation of an attention call, before anything is written."""
     be = view.backend
     q, out, acc = _query(q, view, out)
-    scale, _, window = _check_options(scale, True, window)
+    scale, _, window = check_options(scale, True, window)
     be.check_attention(view)  # sizes the kernels cannot take (head_dim on CUDA)
     scale = 1.0 / math.sqrt(view.head_dim) if scale is None else scale
     q_kernel, result, out = be.attention_arrays(q, acc, out)

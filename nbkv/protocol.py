@@ -46,14 +46,17 @@ change in between (another append, a trim, a growth, another cache) makes
 ``stage_append`` / ``commit_append`` raise :class:`~nbkv.InvalidArgumentError` rather
 than write where the plan no longer fits.
 
-``write_slots() -> WriteSlots | None``
+``write_slots() -> WriteSlots | None`` (optional: a cache without it is served by
+:class:`nbkv.DecodeStep` through ``append_and_attend``; not a member :class:`LayerCache`
+checks)
     For a caller whose own kernel writes new positions and reads them in one launch, call
     after call (:class:`nbkv.DecodeStep`): the cache's buffers as slots, valid until the
     cache replaces its buffers. ``k`` and ``v`` are the buffers in the form the attention
     kernels read (as ``attention_view`` gives them), ``capacity`` the positions they hold,
     ``held()`` the positions held (the next one is written there), ``commit(pos, n)``
     holds ``n`` positions a kernel wrote at ``[pos, pos + n)``, and ``valid`` turns False
-    once the buffers are replaced or dropped (a growth, ``deallocate``, a state loaded);
+    once the buffers are replaced or dropped (a growth, ``deallocate``, a state loaded),
+    when the slots also let go of them (``k`` and ``v`` become None);
     ``commit`` then raises :class:`~nbkv.InvalidArgumentError`, as it does when the
     cache moved since ``pos`` or the positions do not fit. Nothing is checked but that:
     the caller has checked the arrays its kernel writes against ``k`` and ``v``. ``None``
@@ -282,8 +285,6 @@ class LayerCache(Protocol):
     def append(self, k: Any, v: Any, *, undoable: bool = False) -> Callable[[], None] | None: ...
 
     def check_room(self, n: int) -> None: ...
-
-    def write_slots(self) -> WriteSlots | None: ...
 
     def attention_view(self, n_q: int, window: int | None) -> AttentionView: ...
 

@@ -10,6 +10,8 @@ faults that must leave the cache as it was, and the cache's write slots themselv
 from __future__ import annotations
 
 import gc
+import os
+import tempfile
 import threading
 import weakref
 
@@ -28,11 +30,12 @@ HEADS, DIM = 2, 8
 
 def _dev(x):
     """``x`` as the cache device's own array (a Numba device array on CUDA), so that a
-    DecodeStep may take its bound path; bfloat16 stays on the host (Numba has none)."""
-    if DEVICE == "cuda" and x.dtype.kind == "f":
+    DecodeStep may take its bound path; bfloat16 as its ``uint16`` bits there (Numba
+    has no bfloat16), as a CUDA cache takes and gives it."""
+    if DEVICE == "cuda":
         from numba import cuda
 
-        return cuda.to_device(x)
+        return cuda.to_device(x if x.dtype.kind == "f" else x.view(np.uint16))
     return x
 
 
@@ -54,15 +57,24 @@ def _assert_same(a: tuple, b: tuple) -> None:
 class Twins:
     """A cache driven by a DecodeStep and its twin driven by append_and_attend."""
 
-    def __init__(self, rng, *, dtype, layout, q_dtype, window, capacity, grow, batch=1):
+    def __init__(
+        self, rng, *, dtype, layout, q_dtype, window, capacity, grow, batch=1, scale=None,
+        causal=True, out=False,
+    ):  # fmt: skip
         kw = dict(batch=batch, num_kv_heads=HEADS, head_dim=DIM, dtype=dtype, device=DEVICE)
         kw.update(layout=layout, on_overflow="grow" if grow else "error")
         if grow:
             kw["grow_step"] = 4
         self.a, self.b = nbkv.LayerKVCache(capacity, **kw), nbkv.LayerKVCache(capacity, **kw)
         self.rng, self.dtype, self.layout, self.batch = rng, dtype, layout, batch
-        self.q_dtype, self.window = q_dtype, window
-        self.step = nbkv.DecodeStep(self.a, window=window)
+        self.q_dtype = q_dtype
+        self.options = dict(window=window, scale=scale, causal=causal)
+        # with out=True, both write one array each, given once
+        self.outs = [None, None]
+        if out:
+            shape = (batch, HEADS * 2, 1, DIM)
+            self.outs = [_dev(np.zeros(shape, q_dtype)), _dev(np.zeros(shape, q_dtype))]
+        self.step = nbkv.DecodeStep(self.a, out=self.outs[0], **self.options)
 
     def inputs(self, n: int, n_q: int, group: int = 2):
         q = randn(self.rng, (self.batch, HEADS * group, n_q, DIM), self.q_dtype)
@@ -75,7 +87,8 @@ class Twins:
         q, k, v = self.inputs(n, n_q)
         before = _snapshot(self.a)
         try:
-            want = host(nbkv.append_and_attend(q, k, v, self.b, window=self.window)).copy()
+            want = nbkv.append_and_attend(q, k, v, self.b, out=self.outs[1], **self.options)
+            want = host(want).copy()
         except nbkv.KVCacheError as e:
             with pytest.raises(type(e)):
                 self.step(_dev(q), _dev(k), _dev(v))
@@ -86,6 +99,7 @@ class Twins:
 
     def check(self) -> None:
         _assert_same(_snapshot(self.a), _snapshot(self.b))
+        assert self.step.bind_error is None
 
     def both(self, method: str, *args) -> None:
         getattr(self.a, method)(*args)
@@ -96,7 +110,7 @@ class Twins:
 def test_a_decode_step_is_append_and_attend_bit_for_bit_whatever_happens_between(data):
     draw = data.draw
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    grow = draw(st.booleans())
+    grow, out = draw(st.booleans()), draw(st.booleans())
     t = Twins(
         rng,
         dtype=draw(st.sampled_from(["float32", "float16", "bfloat16", "float64"])),
@@ -106,21 +120,32 @@ def test_a_decode_step_is_append_and_attend_bit_for_bit_whatever_happens_between
         capacity=draw(st.integers(3, 9)),
         grow=grow,
         batch=draw(st.integers(1, 2)),
+        scale=draw(st.sampled_from([None, 0.3, -1.5])),
+        causal=draw(st.booleans()),
+        out=out,  # one out array given to both, for one query a call
     )
     for _ in range(draw(st.integers(1, 14))):
         op = draw(
             st.sampled_from(
-                ["step"] * 8 + ["crop", "clear", "deallocate", "reorder", "copy", "append"]
+                ["step"] * 8
+                + ["crop", "trim", "clear", "deallocate", "reorder", "copy", "append", "load"]
             )
         )
         if op == "step":
             n = draw(st.sampled_from([1] * 6 + [2, 3]))  # mostly like the last step
             n_q = draw(st.sampled_from([1] * 6 + [n, n + 1]))  # n + 1: too many when empty
-            t.run(n, n_q)
+            t.run(n, 1 if out else n_q)
         elif op == "crop":
             t.both("crop", draw(st.integers(0, t.a.seq_len)))
+        elif op == "trim":
+            t.both("trim", draw(st.integers(0, 3)))
         elif op in ("clear", "deallocate"):
             t.both(op)
+        elif op == "load":  # the twin's positions, saved and loaded into both
+            with tempfile.TemporaryDirectory() as folder:
+                path = os.path.join(folder, "layer.nbkv")
+                nbkv.save(path, t.b)
+                t.both("load_state", path)
         elif op == "reorder":
             t.both("reorder", [int(i) for i in rng.integers(0, t.batch, t.batch)])
         elif op == "copy":  # a copy takes nothing from the original, its slots included
@@ -130,6 +155,12 @@ def test_a_decode_step_is_append_and_attend_bit_for_bit_whatever_happens_between
             _, k, v = t.inputs(2, 1)
             t.both("append", k, v)
         t.check()
+    # and always, at the end: two steps alike, the second on the bound path
+    t.both("clear")
+    fast = t.step.fast_calls
+    t.run(1, 1)
+    t.run(1, 1)
+    assert t.step.fast_calls >= fast + 1
 
 
 def test_calls_like_the_last_checked_one_take_the_bound_path(rng):
@@ -367,3 +398,73 @@ def test_arrays_of_other_strides_are_checked_not_bound(rng):
     assert_bits_equal(step(q2, k2, k), want)
     assert (step.checked_calls, step.fast_calls) == (2, 1)
     _assert_same(_snapshot(cache), _snapshot(twin))
+
+
+def test_deallocate_frees_the_buffers_while_a_step_is_bound(rng):
+    cache, step, q, k = _bound(rng)
+    buffer = weakref.ref(cache.get_kv()[0].base if DEVICE == "cpu" else cache.write_slots().k)
+    gc.disable()
+    try:
+        cache.deallocate()
+        assert buffer() is None  # neither the stale slots nor the step keep it
+    finally:
+        gc.enable()
+    step(q, k, k)  # checked: new buffers, bound to them
+    step(q, k, k)
+    assert (step.checked_calls, step.fast_calls, cache.seq_len) == (2, 2, 2)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="a device array cannot be read-only")
+def test_an_out_made_read_only_after_binding_is_refused_as_append_and_attend_refuses(rng):
+    cache = nbkv.LayerKVCache(8, batch=1, num_kv_heads=HEADS, head_dim=DIM, dtype="float16")
+    for q_dtype in ("float32", "float16"):  # the kernel writes out; or a scratch cast into it
+        out = np.zeros((1, 4, 1, DIM), q_dtype)
+        step = nbkv.DecodeStep(cache, out=out)
+        q, k = randn(rng, (1, 4, 1, DIM), q_dtype), randn(rng, (1, HEADS, 1, DIM), "float16")
+        step(q, k, k)
+        step(q, k, k)
+        assert step.fast_calls == 1
+        out.flags.writeable = False
+        before = _snapshot(cache)
+        with pytest.raises(nbkv.InvalidArgumentError, match="read-only"):
+            step(q, k, k)
+        _assert_same(before, _snapshot(cache))
+
+
+def test_the_cache_is_read_only_and_a_cache_without_slots_is_served_checked(rng):
+    cache, step, q, k = _bound(rng)
+    with pytest.raises(AttributeError):
+        step.cache = nbkv.LayerKVCache(4, device=DEVICE)
+
+    class NoSlots(nbkv.LayerKVCache):  # a cache type that does not offer write_slots
+        write_slots = None
+
+    other = NoSlots(4, batch=1, num_kv_heads=HEADS, head_dim=DIM, dtype="float32", device=DEVICE)
+    twin = nbkv.LayerKVCache(4, batch=1, num_kv_heads=HEADS, head_dim=DIM, dtype="float32",
+                             device=DEVICE)  # fmt: skip
+    step = nbkv.DecodeStep(other)
+    for _ in range(2):
+        assert_bits_equal(step(q, k, k), host(nbkv.append_and_attend(q, k, k, twin)))
+    assert (step.checked_calls, step.fast_calls, step.bind_error) == (2, 0, None)
+
+
+def test_a_bind_that_fails_leaves_the_call_done_and_says_why(rng, monkeypatch):
+    cache = nbkv.LayerKVCache(8, batch=1, num_kv_heads=HEADS, head_dim=DIM, dtype="float32",
+                              device=DEVICE)  # fmt: skip
+    be = get_backend(DEVICE, "bhsd")
+
+    def fail(*args):
+        raise MemoryError("injected: binding failed")
+
+    monkeypatch.setattr(be, "bind_append_attend", fail)
+    step = nbkv.DecodeStep(cache)
+    q = _dev(randn(rng, (1, 4, 1, DIM), "float32"))
+    k = _dev(randn(rng, (1, HEADS, 1, DIM), "float32"))
+    step(q, k, k)
+    step(q, k, k)
+    assert cache.seq_len == 2 and step.checked_calls == 2
+    assert isinstance(step.bind_error, MemoryError) and "not bound" in repr(step)
+    monkeypatch.undo()
+    step(q, k, k)
+    step(q, k, k)
+    assert step.bind_error is None and (step.checked_calls, step.fast_calls) == (3, 1)
