@@ -64,8 +64,16 @@ class _Bound(NamedTuple):
     table: Any
     result: Any  # what the kernel writes, when not cast
     out: Any  # what the call returns
-    host_out: bool  # out is a host array: its writeable flag is checked every call
+    out_strides: tuple
+    host_out: bool  # out is a host array: its flag, shape, strides are checked every call
     launch: Any  # the backend's append_attend, bound to these arrays' signature
+
+
+def _same_host_out(b: _Bound) -> bool:
+    """A host ``out`` is still as bound: writeable, its shape and strides (NumPy lets
+    both change in place)."""
+    out = b.out
+    return out.flags.writeable and out.shape == b.q_shape and out.strides == b.out_strides
 
 
 class DecodeStep:
@@ -95,7 +103,8 @@ class DecodeStep:
     the kernel raises, nothing is held. What it does not check again cannot change
     without changing what it checks: the arrays' devices (their class), the heads and
     sizes against the cache's (the buffers are the same), the options and ``out`` (whose
-    writeable flag it reads again on the CPU).
+    writeable flag, shape and strides it reads again on the CPU). Tunables the checks
+    read (``ATTENTION_MAX_HEAD_DIM``) are read when the step binds.
 
     Attributes
     ----------
@@ -175,7 +184,7 @@ class DecodeStep:
             and k.strides == b.k_strides
             and v.strides == b.v_strides
             and b.slots.valid
-            and not (b.host_out and not b.out.flags.writeable)
+            and (not b.host_out or _same_host_out(b))
         ):
             slots = b.slots
             pos = slots.held()
@@ -237,5 +246,6 @@ class DecodeStep:
         return _Bound(
             be, kind, q.shape, k.shape, q.strides, k.strides, v.strides, q_dtype, k.dtype,
             n, q.shape[2], slots, bits, acc, cast, kernel_scale(self._scale, q.shape[3]),
-            be.attention_table(dtype), result, out, isinstance(out, np.ndarray), launch,
+            be.attention_table(dtype), result, out, out.strides, isinstance(out, np.ndarray),
+            launch,
         )  # fmt: skip

@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import nbkv
+from nbkv import decode_step
 from nbkv.backends import get_backend
 
 from conftest import DEVICE, LAYOUTS, assert_bits_equal, host, randn, shape_of
@@ -305,12 +306,14 @@ def test_a_failed_launch_on_the_bound_path_holds_nothing(rng, monkeypatch):
 
     # the attention after the rows are written (CPU), or the launch itself (CUDA)
     monkeypatch.setattr(be, "attend" if DEVICE == "cpu" else "_run_plan", fail)
+    checked = []
+    monkeypatch.setattr(decode_step, "append_and_attend", lambda *a, **kw: checked.append(1))
     before = _snapshot(cache)
     with pytest.raises(RuntimeError, match="injected"):
         step(q, k, k)
     monkeypatch.undo()
     _assert_same(before, _snapshot(cache))
-    assert step.fast_calls == 1  # it was the bound path that failed
+    assert checked == [] and step.fast_calls == 1  # it was the bound path that failed
     step(q, k, k)
     assert cache.seq_len == 3 and step.fast_calls == 2
 
@@ -415,7 +418,9 @@ def test_deallocate_frees_the_buffers_while_a_step_is_bound(rng):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="a device array cannot be read-only")
-def test_an_out_made_read_only_after_binding_is_refused_as_append_and_attend_refuses(rng):
+def test_an_out_made_read_only_or_reshaped_after_binding_is_refused_as_append_and_attend_does(
+    rng,
+):
     cache = nbkv.LayerKVCache(8, batch=1, num_kv_heads=HEADS, head_dim=DIM, dtype="float16")
     for q_dtype in ("float32", "float16"):  # the kernel writes out; or a scratch cast into it
         out = np.zeros((1, 4, 1, DIM), q_dtype)
@@ -427,6 +432,11 @@ def test_an_out_made_read_only_after_binding_is_refused_as_append_and_attend_ref
         out.flags.writeable = False
         before = _snapshot(cache)
         with pytest.raises(nbkv.InvalidArgumentError, match="read-only"):
+            step(q, k, k)
+        _assert_same(before, _snapshot(cache))
+        out.flags.writeable = True
+        out.shape = (1, 2, 2, DIM)  # NumPy reshapes in place: no longer q's shape
+        with pytest.raises(nbkv.ShapeMismatchError, match="out has shape"):
             step(q, k, k)
         _assert_same(before, _snapshot(cache))
 
