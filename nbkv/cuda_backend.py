@@ -345,6 +345,7 @@ class CUDABackend(CUDAPaged):
         tail = (np.float32(1.0), True, 0, self._dev.empty_table())
         plan = self._plan_for(family, True, (q, k, v, 0, k_cache, v_cache), tail, out)
         thread, seq_axis, empty = threading.get_ident(), self.seq_axis, tail[3]
+        own: dict = {}  # this binding's copies of the plan's launches (see _run_plan)
 
         def append_attend(q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out):
             if threading.get_ident() != thread:
@@ -354,7 +355,7 @@ class CUDABackend(CUDAPaged):
             span = _span(pos + k.shape[seq_axis], q.shape[2], window)
             head = (q, k, v, int(pos), k_cache, v_cache)
             tail = (np.float32(scale), bool(causal), int(window), empty)
-            self._run_plan(plan, span, head, tail, out)
+            self._run_plan(plan, span, head, tail, out, own)
 
         return append_attend
 
@@ -386,14 +387,24 @@ class CUDABackend(CUDAPaged):
         return plan
 
     @staticmethod
-    def _run_plan(plan: _KernelPlan, span: int, head: tuple, tail: tuple, out) -> None:
+    def _run_plan(
+        plan: _KernelPlan, span: int, head: tuple, tail: tuple, out, own: dict | None = None
+    ) -> None:
         """Launch ``plan``'s grid for ``span`` (configured and its scratch made on first
-        use); if the launch fails, forget the scratch."""
+        use); if the launch fails, forget the scratch. ``own``, a bound step's: its own
+        copy of each grid's launch (per split count, made again when the plan's grid is
+        made again), so that its cache's buffers stay filled in while other caches use
+        the plan (``cuda_launch.PreparedLaunch.copy``)."""
         splits = plan.splits(span)
         grid = plan.grids.get(splits)
         if grid is None:
             grid = plan.grid(splits)
         launch, scratch = grid
+        if own is not None:
+            mine = own.get(splits)
+            if mine is None or mine[0] is not grid:
+                mine = own[splits] = (grid, cuda_launch.own_copy(launch))
+            launch = mine[1]
         try:
             launch(*head, *tail, *scratch, out)
         except BaseException:

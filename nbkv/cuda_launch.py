@@ -33,6 +33,7 @@ at any time, turns it off.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import os
 import weakref
@@ -151,6 +152,15 @@ class PreparedLaunch:
             params[j] = convert(args[i])
         return params
 
+    def copy(self) -> PreparedLaunch:
+        """The same launch with its own parameter list, starting as this one's. Launches
+        of one signature over several caches (a model's layers) refill each cache's
+        buffers when the caches take turns on one list; with a copy per cache, only
+        what changes between that cache's own calls is filled in."""
+        new = copy.copy(self)
+        new._params, new._seen = self._params.copy(), self._seen.copy()
+        return new
+
     def __call__(self, *args) -> None:
         params = self.parameters(args)
         if getattr(self._configured, "pre_launch_callbacks", None):
@@ -246,7 +256,21 @@ class Launch:
             self._run = run
         run(*args)
 
+    def copy(self) -> Launch:
+        """The same launch with its own prepared parameter list (a copy of this one's, if
+        it has one; :meth:`PreparedLaunch.copy`)."""
+        new = Launch(self._compiled, self._configured)
+        run = self._run
+        new._run = run.copy() if isinstance(run, PreparedLaunch) else run
+        return new
+
     @property
     def prepared(self) -> bool | None:
         """True: prepared; False: through Numba; None: not launched yet."""
         return None if self._run is None else isinstance(self._run, PreparedLaunch)
+
+
+def own_copy(launch):
+    """``launch.copy()`` for a :class:`Launch`; any other launch (Numba's configured
+    kernel, the simulator's) as it is: it keeps no parameter list."""
+    return launch.copy() if isinstance(launch, Launch) else launch

@@ -98,8 +98,9 @@ class DecodeStep:
     positions not fitting, or the queries more than the positions held, goes through
     ``append_and_attend`` with every check (and raises what it raises, changing
     nothing). Otherwise the step reads the cursor, calls the backend's ``append_attend``
-    with the arrays as they are (on CUDA one launch, its plan looked up once and its
-    parameter list prepared, :mod:`nbkv.cuda_launch`), and then holds the positions; if
+    with the arrays as they are (on CUDA one launch, its plan looked up once, its
+    parameter list prepared and kept per step, so that only q, k, v and the cursor are
+    filled in: :mod:`nbkv.cuda_launch`), and then holds the positions; if
     the kernel raises, nothing is held. What it does not check again cannot change
     without changing what it checks: the arrays' devices (their class), the heads and
     sizes against the cache's (the buffers are the same), the options and ``out`` (whose

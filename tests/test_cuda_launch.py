@@ -139,6 +139,33 @@ def test_a_prepared_launch_passes_what_numba_passes(recorder, seed, fused, bshd)
         recorder.clear()
 
 
+def test_copies_of_a_launch_keep_their_own_lists(recorder, rng):
+    # two copies of one prepared launch, each with its own arguments (two caches' buffers),
+    # called in turns with new addresses of some arguments: each passes what Numba passes
+    arrays, args, compiled, configured = _prepared(rng)
+    launch = cuda_launch.Launch(compiled, configured)
+    assert launch.copy().prepared is None  # nothing decided yet: neither is the copy
+    launch(*args)
+    copies = [launch.copy(), launch.copy()]
+    assert all(c.prepared is True for c in copies) and copies[0]._run is not copies[1]._run
+    own = [args, _renewed(arrays, args, rng)]
+    for call in range(6):
+        which = call % 2
+        keep = rng.random(len(args)) < 0.5  # the others new, as a step's q, k and v
+        renewed = _renewed(arrays, own[which], rng)
+        own[which] = tuple(
+            a if same else b for a, b, same in zip(own[which], renewed, keep, strict=True)
+        )
+        recorder.clear()
+        copies[which](*own[which])
+        configured(*own[which])
+        _same_call(*recorder)
+    declined = cuda_launch.Launch(compiled, configured)
+    declined._run = configured  # as after prepare declined: the copy launches through Numba
+    assert declined.copy().prepared is False
+    assert cuda_launch.own_copy(configured) is configured
+
+
 def _prepared(rng, fused=True, bshd=False):
     arrays = OfflineArrays(rng)
     args = _attention_args(arrays, rng, fused=fused, bshd=bshd)
@@ -485,8 +512,10 @@ def test_the_launch_function_is_read_at_every_launch(monkeypatch, rng):
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_a_decode_steps_bound_launches_are_append_and_attends_launches(rng, dtype, layout):
     """Offline (fake device memory, launches recorded): ``nbkv.DecodeStep`` launches the
-    same kernel with the same parameters as ``append_and_attend`` on the same cache and
-    position, step after step over two caches taking turns, every launch prepared."""
+    same kernel with the same parameters as ``append_and_attend`` through Numba's own
+    marshalling on the same cache and position, step after step over two caches taking
+    turns (each bound step with its own copy of the prepared list), every step's launch
+    prepared."""
     from nbkv.cuda_offline import offline_cuda
 
     with offline_cuda(seed=int(rng.integers(1 << 30))) as launches:
@@ -504,26 +533,37 @@ def test_a_decode_steps_bound_launches_are_append_and_attends_launches(rng, dtyp
             outs.append(arrays.like(q))
             steps.append(nbkv.DecodeStep(cache, window=7, out=outs[-1]))
         k = arrays(shape_of(layout, 2, 4, 1, 128), np.dtype(dtype))
-        prepared = cuda_launch.PreparedLaunch.__call__
-        counted = []
+        prepared, pointer = cuda_launch.PreparedLaunch.__call__, cuda_launch._pointer
+        counted, filled = [], []
 
         def count(self, *args):
             counted.append(1)
             return prepared(self, *args)
 
+        def fill(x):
+            filled.append(x)
+            return pointer(x)
+
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(cuda_launch.PreparedLaunch, "__call__", count)
+            mp.setattr(cuda_launch, "_pointer", fill)
             for i in range(8):
                 cache, step = caches[i % 2], steps[i % 2]
                 args = (arrays.like(q), arrays.like(k), arrays.like(k))
                 held = cache.seq_len
                 launches.clear()
-                nbkv.append_and_attend(*args, cache, window=7, out=outs[i % 2])
-                want = launches[:]
+                filled.clear()
+                step(*args)
+                got = launches[:]
+                if i >= 4:  # its own list: only q, k and v filled in, not its cache's K/V
+                    assert [id(x) for x in filled] == [id(x) for x in args]
+                assert cache.seq_len == held + 1
                 cache.crop(held)
                 launches.clear()
-                step(*args)
-                assert cache.seq_len == held + 1 and len(launches) == len(want) == 1
-                _same_call(launches[0], want[0])
+                mp.setattr(cuda_launch, "ENABLED", False)  # through Numba's marshalling
+                nbkv.append_and_attend(*args, cache, window=7, out=outs[i % 2])
+                mp.setattr(cuda_launch, "ENABLED", True)
+                assert cache.seq_len == held + 1 and len(launches) == len(got) == 1
+                _same_call(got[0], launches[0])
         assert [s.fast_calls for s in steps] == [3, 3]
-        assert len(counted) == 16  # both ways, every launch prepared (after the first)
+        assert len(counted) == 8  # every step's launch prepared, none of Numba's
