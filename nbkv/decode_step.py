@@ -99,7 +99,7 @@ class DecodeStep:
     ``append_and_attend`` with every check (and raises what it raises, changing
     nothing). Otherwise the step reads the cursor, calls the backend's ``append_attend``
     with the arrays as they are (on CUDA one launch, its plan looked up once, its
-    parameter list prepared and kept per step, so that only q, k, v and the cursor are
+    parameter list prepared and kept per step, so that only q, k, v and the scalars are
     filled in: :mod:`nbkv.cuda_launch`), and then holds the positions; if
     the kernel raises, nothing is held. What it does not check again cannot change
     without changing what it checks: the arrays' devices (their class), the heads and
