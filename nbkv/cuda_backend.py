@@ -4,7 +4,8 @@
 bound to a layout when :func:`nbkv.backends.get_backend` makes it. What every CUDA
 backend of the process shares (the driver, the compiled kernel modules, widening tables
 on the device, the SM count, the attention scratch and launch plans) is one
-:class:`_CUDADevice`; :class:`_KernelPlan` is one attention launch signature, typed once.
+:class:`_CUDADevice`; :class:`nbkv.cuda_plan.KernelPlan` is one attention launch
+signature, typed once.
 Numba's CUDA support is imported only when the first CUDA backend is made, so importing
 this module needs no GPU and no numba-cuda.
 
@@ -25,6 +26,7 @@ import numpy as np
 from . import _config, cuda_launch
 from . import layout as _layout
 from ._backend_common import _host_array, _span
+from .cuda_plan import KernelPlan
 from .dtypes import kernel_dtype, widen_table
 from .errors import (
     BackendUnavailableError,
@@ -33,13 +35,10 @@ from .errors import (
     ShapeMismatchError,
 )
 from .launch import (
-    AttentionGrid,
     append_config,
     attention_grid,
     attention_scratch_shapes,
     launch_config,
-    resident_blocks,
-    wave_splits,
 )
 from .paged_backends import CUDAPaged
 
@@ -133,7 +132,8 @@ class _CUDADevice:
         self._local.arrays = None
 
     def plans(self) -> dict:
-        """This thread's attention launch plans (:class:`_KernelPlan`), by signature."""
+        """This thread's attention launch plans (:class:`nbkv.cuda_plan.KernelPlan`), by
+        signature."""
         plans = getattr(self._local, "plans", None)
         if plans is None or len(plans) > _MAX_PLANS:  # many shapes: start afresh
             plans = self._local.plans = {}
@@ -345,7 +345,7 @@ class CUDABackend(CUDAPaged):
         tail = (np.float32(1.0), True, 0, self._dev.empty_table())
         plan = self._plan_for(family, True, (q, k, v, 0, k_cache, v_cache), tail, out)
         thread, seq_axis, empty = threading.get_ident(), self.seq_axis, tail[3]
-        own: dict = {}  # this binding's copies of the plan's launches (see _run_plan)
+        own: dict = {}  # this binding's copies of the plan's launches (see KernelPlan.run)
 
         def append_attend(q, k, v, pos, k_cache, v_cache, scale, causal, window, table, out):
             if threading.get_ident() != thread:
@@ -355,7 +355,7 @@ class CUDABackend(CUDAPaged):
             span = _span(pos + k.shape[seq_axis], q.shape[2], window)
             head = (q, k, v, int(pos), k_cache, v_cache)
             tail = (np.float32(scale), bool(causal), int(window), empty)
-            self._run_plan(plan, span, head, tail, out, own)
+            plan.run(span, head, tail, out, own)
 
         return append_attend
 
@@ -368,9 +368,9 @@ class CUDABackend(CUDAPaged):
         if not hasattr(family, "specialise"):  # a stand-in for the kernels (tests)
             self._launch_generic(family, q, k_cache, span, head + tail, out)
             return
-        self._run_plan(self._plan_for(family, fused, head, tail, out), span, head, tail, out)
+        self._plan_for(family, fused, head, tail, out).run(span, head, tail, out)
 
-    def _plan_for(self, family, fused: bool, head: tuple, tail: tuple, out) -> _KernelPlan:
+    def _plan_for(self, family, fused: bool, head: tuple, tail: tuple, out) -> KernelPlan:
         """This thread's launch plan for these arrays' signature, made on first use."""
         q, k_cache, v_cache = head[0], head[4 if fused else 1], head[5 if fused else 2]
         plans = self._dev.plans()
@@ -383,33 +383,8 @@ class CUDABackend(CUDAPaged):
             key += (head[1].shape, head[1].strides, head[2].strides)
         plan = plans.get(key)
         if plan is None:
-            plan = plans[key] = _KernelPlan(self._dev, family, head, tail, out, self._bshd)
+            plan = plans[key] = KernelPlan(self._dev, family, head, tail, out, self._bshd)
         return plan
-
-    @staticmethod
-    def _run_plan(
-        plan: _KernelPlan, span: int, head: tuple, tail: tuple, out, own: dict | None = None
-    ) -> None:
-        """Launch ``plan``'s grid for ``span`` (configured and its scratch made on first
-        use); if the launch fails, forget the scratch. ``own``, a bound step's: its own
-        copy of each grid's launch (per split count, made again when the plan's grid is
-        made again), so that its cache's buffers stay filled in while other caches use
-        the plan (``cuda_launch.PreparedLaunch.copy``)."""
-        splits = plan.splits(span)
-        grid = plan.grids.get(splits)
-        if grid is None:
-            grid = plan.grid(splits)
-        launch, scratch = grid
-        if own is not None:
-            mine = own.get(splits)
-            if mine is None or mine[0] is not grid:
-                mine = own[splits] = (grid, cuda_launch.own_copy(launch))
-            launch = mine[1]
-        try:
-            launch(*head, *tail, *scratch, out)
-        except BaseException:
-            plan.grids.clear()  # counters may be left part-way: fresh ones next time
-            raise
 
     def _launch_generic(self, kernel, q, k_cache, span: int, args: tuple, out) -> None:
         """Size the grid and scratch, launch, and if anything fails, forget the scratch."""
@@ -433,74 +408,3 @@ class CUDABackend(CUDAPaged):
 
 
 _MAX_PLANS = 64  # launch plans a thread keeps before it starts afresh
-
-
-class _KernelPlan:
-    """One attention launch signature on one thread: the kernel specialised for it and
-    typed once (no type inference per call), the blocks one wave of it holds, and per
-    split count a configured launch with its scratch (``grids``)."""
-
-    def __init__(self, dev: _CUDADevice, family, head, tail, out, bshd: bool) -> None:
-        attn = dev.attention_kernels()
-        fused = family.fused
-        q, k_cache, v_cache = head[0], head[4 if fused else 1], head[5 if fused else 2]
-        self.spec = family.spec(q, k_cache, v_cache)
-        kernel = family.specialise(self.spec)
-        batch, num_heads, n_q, dim = (int(x) for x in q.shape)
-        kv_heads = int(k_cache.shape[2 if bshd else 1])
-        self.sizes = (batch, num_heads, n_q, dim)
-        self.tasks = batch * kv_heads
-        self.chunks = -(-(num_heads // kv_heads) * n_q // self.spec.rows)
-        self.sms = dev.sm_count()
-        self.threads, self.tile = attn.THREADS, attn.TILE
-        specialize = getattr(kernel, "specialize", None)  # the simulator has none
-        self.compiled = None  # the compiled kernel (Numba's _Kernel), on a GPU
-        if specialize is not None:
-            kernel = specialize(*head, *tail, *dev.dummy_scratch(), out)
-            self.compiled = next(iter(getattr(kernel, "overloads", {}).values()), None)
-        self.kernel = kernel
-        self.per_sm = self._occupancy(attn)
-        self._cuda = dev.cuda
-        self.grids: dict[int, tuple] = {}
-
-    def _occupancy(self, attn) -> int:
-        """Resident blocks per SM: the driver's figure for the compiled kernel on a GPU,
-        else from its shared memory and its launch bound's register cap."""
-        try:
-            blocks = self.compiled.max_cooperative_grid_blocks(self.threads)
-            return max(1, blocks // self.sms)
-        except Exception:  # the simulator, or a driver without the query
-            cap = 65_536 // (self.threads * attn.min_blocks_per_sm(self.spec))
-            return resident_blocks(self.threads, registers=cap, shared=attn.shared_bytes(self.spec))
-
-    def splits(self, span: int) -> int:
-        """The split count for ``span`` visible positions (tunables read per call)."""
-        per_sm = _config.ATTENTION_BLOCKS_PER_SM
-        return wave_splits(
-            (self.per_sm if per_sm is None else per_sm) * self.sms,
-            self.tasks * self.chunks,
-            span,
-            self.tile,
-            _config.ATTENTION_SPLITS,
-        )
-
-    def grid(self, splits: int) -> tuple:
-        grid = AttentionGrid(splits, self.tasks, self.chunks)
-        acc, stats, counters = attention_scratch_shapes(grid, *self.sizes)
-        scratch = (
-            self._cuda.device_array(acc, np.float32),
-            self._cuda.device_array(stats, np.float32),
-            self._cuda.to_device(np.zeros(counters, np.int32)),  # zero before a launch
-        )
-        launch = self.kernel[tuple(grid), self.threads]
-        if self.compiled is not None:  # the parameter list prepared once (cuda_launch)
-            launch = cuda_launch.Launch(self.compiled, launch)
-        elif launch is self.kernel:  # the simulator configures the kernel itself, in place:
-            # a launch kept for one split count would run with the last one configured
-            dims, threads, kernel = tuple(grid), self.threads, self.kernel
-
-            def launch(*args):
-                kernel[dims, threads](*args)
-
-        self.grids[splits] = entry = (launch, scratch)
-        return entry

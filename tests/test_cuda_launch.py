@@ -160,6 +160,11 @@ def test_copies_of_a_launch_keep_their_own_lists(recorder, rng):
         copies[which](*own[which])
         configured(*own[which])
         _same_call(*recorder)
+    for which in (0, 1):  # the arrays copy 0 saw last, now passed to copy 1 as well
+        recorder.clear()
+        copies[which](*own[0])
+        configured(*own[0])
+        _same_call(*recorder)
     declined = cuda_launch.Launch(compiled, configured)
     declined._run = configured  # as after prepare declined: the copy launches through Numba
     assert declined.copy().prepared is False
@@ -567,3 +572,32 @@ def test_a_decode_steps_bound_launches_are_append_and_attends_launches(rng, dtyp
                 _same_call(got[0], launches[0])
         assert [s.fast_calls for s in steps] == [3, 3]
         assert len(counted) == 8  # every step's launch prepared, none of Numba's
+
+        # a launch that fails: nothing held, the plan's scratch made afresh, and the
+        # step's next launch, through a new copy of the new grid's launch, is Numba's
+        def fail(self, *args):
+            raise RuntimeError("injected: the launch failed")
+
+        held, args = caches[0].seq_len, (arrays.like(q), arrays.like(k), arrays.like(k))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cuda_launch.PreparedLaunch, "__call__", fail)
+            with pytest.raises(RuntimeError, match="injected"):
+                steps[0](*args)
+        assert caches[0].seq_len == held and steps[0].fast_calls == 3
+        launches.clear()
+        filled.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cuda_launch, "_pointer", fill)
+            steps[0](*args)
+        got = launches[:]
+        # a new copy, prepared afresh, fills in every array: q, k, v, the cache's K and V,
+        # the (empty) table, the three new scratch arrays and out (the old copy would have
+        # filled in q, k, v and the new scratch only; the old scratch, q, k and v only)
+        assert len(filled) == 10 and [id(x) for x in filled[:3]] == [id(x) for x in args]
+        caches[0].crop(held)
+        launches.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cuda_launch, "ENABLED", False)
+            nbkv.append_and_attend(*args, caches[0], window=7, out=outs[0])
+        _same_call(got[0], launches[0])
+        assert steps[0].checked_calls == 1 and steps[0].fast_calls == 4

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import nbkv
 from nbkv import decode_step
 from nbkv.backends import get_backend
+from nbkv.cuda_plan import KernelPlan
 
 from conftest import DEVICE, LAYOUTS, assert_bits_equal, host, randn, shape_of
 
@@ -305,7 +306,8 @@ def test_a_failed_launch_on_the_bound_path_holds_nothing(rng, monkeypatch):
         raise RuntimeError("injected: the kernel failed")
 
     # the attention after the rows are written (CPU), or the launch itself (CUDA)
-    monkeypatch.setattr(be, "attend" if DEVICE == "cpu" else "_run_plan", fail)
+    target = (be, "attend") if DEVICE == "cpu" else (KernelPlan, "run")
+    monkeypatch.setattr(*target, fail)
     checked = []
     monkeypatch.setattr(decode_step, "append_and_attend", lambda *a, **kw: checked.append(1))
     before = _snapshot(cache)
