@@ -21,6 +21,8 @@ from nbkv.kernels.cpu_math import (
     kind16,
     prefetch,
     target_features,
+    touch,
+    touch_rows,
     widen16,
 )
 from nbkv.kernels.cpu_simd import accumulate_rows
@@ -132,6 +134,40 @@ def test_prefetch_is_a_hint_that_never_faults_or_writes():
         assert _touch(a, i, j) == 0.0
     assert _touch(a[:, ::2], 1, 1) == 0.0  # a strided view
     assert np.array_equal(a, before)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.arange(5 * 128, dtype=np.float32).reshape(5, 128),
+        lambda: np.arange(3 * 40, dtype=np.uint16).reshape(3, 40),  # a row ends mid-line
+        lambda: np.arange(3 * 9, dtype=np.uint8).reshape(3, 9),  # shorter than a line
+        lambda: np.arange(6 * 4 * 32, dtype=np.float32).reshape(6, 4, 32)[:, 2],  # "nhd"
+        lambda: np.arange(64, dtype=np.float32).reshape(8, 8)[:, ::2],  # strided elements
+        lambda: np.zeros((4, 0), np.float32),  # rows of nothing: no byte to read
+        lambda: np.zeros((0, 16), np.float32),
+        lambda: np.arange(4 * 16, dtype=np.float32).reshape(4, 16)[1:2],  # inside a buffer
+    ],
+)
+def test_touch_rows_reads_every_row_and_writes_nothing(make):
+    x = make()
+    before = x.copy()
+    touch_rows(x)
+    assert np.array_equal(x, before)
+
+
+@njit  # not cached, so that its IR can be read (touch_rows' own is cached)
+def _touch_line(x):
+    for t in range(x.shape[0]):
+        touch(x, t, 0)
+
+
+def test_touch_loads_are_kept():
+    # atomic loads whose values are dropped: the optimiser may not delete them (a plain
+    # load would be, and touch_rows would do nothing)
+    _touch_line(np.zeros((2, 32), np.float32))
+    text = "".join(_touch_line.inspect_llvm().values())
+    assert len(re.findall(r"load atomic i8, ptr [^,]+ monotonic", text)) >= 1, text[-2000:]
 
 
 @njit

@@ -155,6 +155,34 @@ _SCRIPT = textwrap.dedent(
             got = nbkv.attention(q, cache)
             err = np.abs(got - want).max()
             assert err < 2e-5, (dtype, dim, n_q, seq, err)
+    # narrower vectors than AVX-512's: the float32 V pass goes in pieces, each read in
+    # order first (touch_rows). Against the whole block in one pass of accumulate_rows
+    # (the path it replaces): the same multiply-adds in the same order, bit for bit, for
+    # blocks across the pieces' edges, rows left over, offset columns and strided rows
+    from nbkv.kernels.cpu_simd import LANES, accumulate_rows, tile_lanes
+
+    assert cpu_attention._LINE_PASSES == (tile_lanes() < LANES)
+
+    @njit
+    def whole(s, vb, acc, c0):
+        for r in range(0, acc.shape[0] - 3, 4):
+            accumulate_rows(s, r, vb, vb.shape[0], acc, c0, -1, 0)
+
+    for nb, rows, c0, heads in ((1, 4, 0, 1), (63, 5, 1, 1), (64, 8, 0, 2), (65, 4, 3, 1),
+                                (200, 9, 7, 3), (300, 4, 0, 1)):
+        dim = 64
+        pool = rng.standard_normal((nb, heads, dim)).astype(np.float32)
+        vb = pool[:, heads - 1]  # rows a head apart when heads > 1 (a paged "nhd" page)
+        s = rng.standard_normal((rows, c0 + nb)).astype(np.float32)
+        acc0 = rng.standard_normal((rows, dim)).astype(np.float32)
+        got, base = acc0.copy(), acc0.copy()
+        cpu_attention._accumulate(s, vb, got, c0, -1, 64)
+        whole(s, vb, base, c0)
+        full = rows - rows % 4
+        assert np.array_equal(got[:full].view(np.uint32), base[:full].view(np.uint32))
+        want = acc0.astype(np.float64) + s[:, c0:].astype(np.float64) @ vb.astype(np.float64)
+        assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max())
+        assert np.array_equal(pool[:, heads - 1], vb)  # read, never written
     asm = "".join(cpu_attention.attend_serial.inspect_asm().values())
     print("registers:", *sorted(r for r in ("xmm", "ymm", "zmm") if r in asm))
     """

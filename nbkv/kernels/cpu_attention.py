@@ -21,8 +21,8 @@ from numba.extending import overload
 from .. import _config
 from .cpu import write_kv, write_kv_bshd
 from .cpu_loops import accumulate_4x8, scores_4x4, value_of
-from .cpu_math import exp32, kind16, prefetch_ahead, widen16
-from .cpu_simd import accumulate_rows, score_tile, tile_ok
+from .cpu_math import exp32, kind16, prefetch_ahead, touch_rows, widen16
+from .cpu_simd import LANES, accumulate_rows, score_tile, tile_lanes, tile_ok
 from .cpu_vector import row_max
 
 __all__ = ["attend", "attend_serial", "attend_bshd", "append_attend", "append_attend_bshd"]
@@ -51,6 +51,12 @@ _FEW_ROWS = 8
 # lines per row spread over the arithmetic. A whole block prefetched at its start (1,024
 # lines at once) stalled: 32k float16 decode took 9.7 ms that way, 4.2 ms this way
 _AHEAD = 64
+
+# where the V pass's vectors are narrower than AVX-512's (tile_lanes: AVX2's 8 lanes, or
+# 4), each of its passes over a block reads one line of every row (8 passes at head_dim
+# 128, float32): _accumulate reads the rows in pieces of _BLOCK, each first touched in
+# memory order (cpu_math.touch_rows, which says what that saved)
+_LINE_PASSES = tile_lanes() < LANES
 
 
 def _rows(src, table, buf):
@@ -315,11 +321,25 @@ def _accumulate(s, vb, acc, c0, kind=-1, ahead=0):
     by four rows and each accumulator loaded is updated by eight positions, so loads and
     stores per FMA drop eightfold (the plain loop was bound by its stores: 2.5x slower at
     head_dim 128; four positions at a time, 1.35x slower at four rows).
+
+    Where the vectors are narrower than AVX-512's (``_LINE_PASSES``: 8 lanes on AVX2),
+    each of ``accumulate_rows``' passes reads one 64-byte line of every row. float32 rows
+    then go in pieces of ``_BLOCK``, each first read in memory order
+    (:func:`~nbkv.kernels.cpu_math.touch_rows`, which says what it saved) and passed over
+    from L1, with no prefetch: the same multiply-adds in the same order as one call over
+    the whole block, bit for bit (``tests/test_cpu_targets.py``).
     """
     rows, dim = acc.shape
     nb = vb.shape[0]
     r = 0
     if tile_ok(acc, vb) and nb > 0:  # four rows at a time in vector IR (cpu_simd)
+        if _LINE_PASSES and vb.itemsize == 4:  # pieces read in order first (touch_rows)
+            for c in range(0, nb, _BLOCK):
+                piece = vb[c : min(c + _BLOCK, nb)]
+                touch_rows(piece)
+                for t in range(0, rows - 3, 4):
+                    accumulate_rows(s, t, piece, piece.shape[0], acc, c0 + c, kind, 0)
+            r = rows - rows % 4
         while r + 4 <= rows:
             accumulate_rows(s, r, vb, nb, acc, c0, kind, ahead if r == 0 else 0)
             r += 4
@@ -359,7 +379,8 @@ def _accumulate(s, vb, acc, c0, kind=-1, ahead=0):
 @njit(cache=True, fastmath=_config.FASTMATH)
 def _accumulate_block(s, vb, acc, kind=-1, ahead=0):
     """A block's V pass: :func:`_accumulate` of ``s[:, :len(vb)]`` times the rows ``vb``.
-    32- and 64-bit rows in one call; 16-bit rows (``kind`` >= 0) in pieces of ``_BLOCK``
+    32- and 64-bit rows in one call (which, on targets narrower than AVX-512, takes float32
+    rows in pieces itself); 16-bit rows (``kind`` >= 0) in pieces of ``_BLOCK``
     positions, so that what a piece's passes over head_dim read again (16 KiB at head_dim
     128) is still in L1, while the block's scores and softmax run over all of it at once
     (their per-block costs spread over 512 positions). The same multiply-adds in the same
