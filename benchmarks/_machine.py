@@ -37,13 +37,34 @@ def git_state() -> dict | None:
         return None
 
 
+def cpu_identity() -> str | None:
+    """``"family F model M, <widest vectors>"`` from ``/proc/cpuinfo`` (None elsewhere).
+
+    A guest names its CPU "AMD EPYC" whatever the generation: a Zen 2 (family 23, AVX2)
+    and a Zen 4 (family 25, AVX-512) read alike, and two runs of 2026-12-06 were filed as
+    the Zen 4's until their L3 size (16 MiB, not 32) gave them away."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    fields = {}
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    widest = next((f for f in ("avx512f", "avx2", "avx", "sse2") if f in flags), "unknown")
+    if "cpu family" not in fields:  # not x86 (an ARM host names its parts otherwise)
+        return None
+    return f"family {fields['cpu family']} model {fields.get('model', '?')}, {widest}"
+
+
 def machine(torch=None) -> dict:
     """Machine, library versions and thread settings, the command line and the commit."""
     import numba
 
     import nbkv
 
-    cpu = platform.processor()
+    cpu, cpu_id = platform.processor(), cpu_identity()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -64,6 +85,7 @@ def machine(torch=None) -> dict:
         "platform": platform.platform(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
+        "cpu_id": cpu_id,
         "l3_cache": l3,
         "python": platform.python_version(),
         "numpy": np.__version__,

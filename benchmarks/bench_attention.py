@@ -786,7 +786,10 @@ def main() -> None:
     if not any(rounds[1 if args.quick else 0] for rounds in sizes.values()):
         parser.error("--quick runs only seq_len 512 and 4096: give one of them in --sizes")
     info = machine(torch)
-    print(f"{info['cpu']} ({info['cpu_count']} cpus, L3 {info['l3_cache']}), {info['platform']}")
+    print(
+        f"{info['cpu']} ({info['cpu_id']}; {info['cpu_count']} cpus, L3 {info['l3_cache']}), "
+        f"{info['platform']}"
+    )
     print(
         f"python {info['python']}, numpy {info['numpy']} ({info['numpy_blas']}), numba "
         f"{info['numba']} ({info['numba_threads']} threads), nbkv {info['nbkv']}, torch "
