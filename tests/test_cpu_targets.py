@@ -161,22 +161,26 @@ _SCRIPT = textwrap.dedent(
     # blocks across the pieces' edges, rows left over, offset columns and strided rows
     from nbkv.kernels.cpu_simd import LANES, accumulate_rows, tile_lanes
 
-    assert cpu_attention._LINE_PASSES == (tile_lanes() < LANES)
+    assert tile_lanes() < LANES and cpu_attention._LINE_PASSES  # both targets take it
 
     @njit
     def whole(s, vb, acc, c0):
         for r in range(0, acc.shape[0] - 3, 4):
             accumulate_rows(s, r, vb, vb.shape[0], acc, c0, -1, 0)
 
-    for nb, rows, c0, heads in ((1, 4, 0, 1), (63, 5, 1, 1), (64, 8, 0, 2), (65, 4, 3, 1),
-                                (200, 9, 7, 3), (300, 4, 0, 1)):
-        dim = 64
+    # (positions, query rows, first column, heads in the pool, head_dim, rows ahead): 48
+    # is one pass of 16 at a time, 64 four; 3 rows and ahead 0 take the plain path
+    for nb, rows, c0, heads, dim, ahead in (
+        (1, 4, 0, 1, 64, 64), (63, 5, 1, 1, 64, 64), (64, 8, 0, 2, 64, 16),
+        (65, 4, 3, 1, 48, 64), (200, 9, 7, 3, 64, -32), (300, 4, 0, 1, 48, 64),
+        (130, 3, 2, 1, 64, 64), (130, 4, 0, 1, 64, 0),
+    ):
         pool = rng.standard_normal((nb, heads, dim)).astype(np.float32)
         vb = pool[:, heads - 1]  # rows a head apart when heads > 1 (a paged "nhd" page)
         s = rng.standard_normal((rows, c0 + nb)).astype(np.float32)
         acc0 = rng.standard_normal((rows, dim)).astype(np.float32)
         got, base = acc0.copy(), acc0.copy()
-        cpu_attention._accumulate(s, vb, got, c0, -1, 64)
+        cpu_attention._accumulate(s, vb, got, c0, -1, ahead)
         whole(s, vb, base, c0)
         full = rows - rows % 4
         assert np.array_equal(got[:full].view(np.uint32), base[:full].view(np.uint32))

@@ -322,18 +322,20 @@ def _accumulate(s, vb, acc, c0, kind=-1, ahead=0):
     stores per FMA drop eightfold (the plain loop was bound by its stores: 2.5x slower at
     head_dim 128; four positions at a time, 1.35x slower at four rows).
 
-    Where the vectors are narrower than AVX-512's (``_LINE_PASSES``: 8 lanes on AVX2),
-    each of ``accumulate_rows``' passes reads one 64-byte line of every row. float32 rows
-    then go in pieces of ``_BLOCK``, each first read in memory order
-    (:func:`~nbkv.kernels.cpu_math.touch_rows`, which says what it saved) and passed over
-    from L1, with no prefetch: the same multiply-adds in the same order as one call over
-    the whole block, bit for bit (``tests/test_cpu_targets.py``).
+    Where the vectors are narrower than AVX-512's (``_LINE_PASSES``: 8 lanes on AVX2, 4
+    on SSE or NEON), each of ``accumulate_rows``' passes reads one 64-byte line of every
+    row. float32 rows that come from memory (the caller asks for rows ahead: ``ahead``
+    not 0; a quantized kernel's freshly widened buffer does not) then go in pieces of
+    ``_BLOCK``, each first read in memory order (:func:`~nbkv.kernels.cpu_math.touch_rows`,
+    which says what it saved) and passed over while in L1 and L2, with no prefetch: the
+    same multiply-adds in the same order as one call over the whole block, bit for bit
+    (``tests/test_cpu_targets.py``).
     """
     rows, dim = acc.shape
     nb = vb.shape[0]
     r = 0
     if tile_ok(acc, vb) and nb > 0:  # four rows at a time in vector IR (cpu_simd)
-        if _LINE_PASSES and vb.itemsize == 4:  # pieces read in order first (touch_rows)
+        if _LINE_PASSES and vb.itemsize == 4 and ahead != 0 and rows >= 4:
             for c in range(0, nb, _BLOCK):
                 piece = vb[c : min(c + _BLOCK, nb)]
                 touch_rows(piece)

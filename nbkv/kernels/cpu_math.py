@@ -309,7 +309,7 @@ def touch(typingctx, a, i, j):
 
 @njit(cache=True)
 def touch_rows(x):
-    """Read one byte of every cache line of ``x``'s rows ([rows, head_dim]), row after row
+    """Read a byte of every cache line of ``x``'s rows ([rows, head_dim]), row after row
     in memory order: a plain stream the CPU's own prefetchers follow, which leaves the
     rows in L1 (up to its size) for passes that then read them in another order.
 
@@ -317,8 +317,10 @@ def touch_rows(x):
     float32 rows in eight passes of one 64-byte line per row (its accumulators must fit 16
     registers), a stride of 512 bytes that memory served at 7.4 GB/s a thread against
     18 GB/s for the same bytes read in order; software prefetches changed nothing there
-    (:data:`PREFETCH_LOCALITY` 0 to 3, distances 16 to 256 rows). Read in pieces of 64
-    rows, each first touched by this, the 32k float32 decode step took 12% less time."""
+    (:data:`PREFETCH_LOCALITY` 0, 1 or 3, distances 16 to 256 rows). Read in pieces of 64
+    rows, each first touched by this, the 32k float32 decode step took 14.1 ms against
+    17.1 (``benchmarks/README.md``, "On an AMD EPYC Zen 2"). Unit-stride rows get every
+    line read; rows whose elements are strided, one per ``64 // itemsize`` elements."""
     step = max(1, 64 // x.itemsize)  # elements per 64-byte line
     last = x.shape[1] - 1  # a row's last element: its last line, where rows straddle two
     if last < 0:
