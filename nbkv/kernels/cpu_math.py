@@ -238,73 +238,52 @@ def prefetch_ir(builder, ptr):
     builder.call(fn, [ptr, i32(0), i32(PREFETCH_LOCALITY), i32(1)])  # read, data cache
 
 
-@intrinsic
-def prefetch(typingctx, a, i, j):
-    """Ask the CPU to bring the cache line holding ``a[i, j]`` (a 2-D array) into its
-    caches ahead of use (``llvm.prefetch``: a hint, never a fault, even out of bounds).
+def _line_op(emit):
+    """An intrinsic ``(a, i, j)`` that passes the address of ``a[i, j]`` (a 2-D array), as
+    an ``i8*`` and with no bounds check, to ``emit(builder, ptr)``."""
 
-    Attention over a long cache alternates memory-bound reads with arithmetic on what was
-    read; without a hint, no read is in flight while the arithmetic runs. Prefetching rows
-    a fixed distance ahead as each row is computed keeps the memory busy throughout."""
-    if not (isinstance(a, types.Array) and a.ndim == 2):
-        return None
-    if not (isinstance(i, types.Integer) and isinstance(j, types.Integer)):
-        return None
+    @intrinsic
+    def op(typingctx, a, i, j):
+        if not (isinstance(a, types.Array) and a.ndim == 2):
+            return None
+        if not (isinstance(i, types.Integer) and isinstance(j, types.Integer)):
+            return None
 
-    def codegen(context, builder, signature, args):
-        aty = signature.args[0]
-        ary = context.make_array(aty)(context, builder, args[0])
-        idx = [
-            context.cast(builder, v, t, types.intp)
-            for v, t in zip(args[1:], signature.args[1:], strict=True)
-        ]
-        # the address only: no bounds check (a prefetch past the end is harmless)
-        ptr = cgutils.get_item_pointer2(
-            context,
-            builder,
-            ary.data,
-            cgutils.unpack_tuple(builder, ary.shape),
-            cgutils.unpack_tuple(builder, ary.strides),
-            aty.layout,
-            idx,
-        )
-        prefetch_ir(builder, builder.bitcast(ptr, ir.IntType(8).as_pointer()))
-        return context.get_dummy_value()
+        def codegen(context, builder, signature, args):
+            aty = signature.args[0]
+            ary = context.make_array(aty)(context, builder, args[0])
+            idx = [
+                context.cast(builder, v, t, types.intp)
+                for v, t in zip(args[1:], signature.args[1:], strict=True)
+            ]
+            ptr = cgutils.get_item_pointer2(
+                context,
+                builder,
+                ary.data,
+                cgutils.unpack_tuple(builder, ary.shape),
+                cgutils.unpack_tuple(builder, ary.strides),
+                aty.layout,
+                idx,
+            )
+            emit(builder, builder.bitcast(ptr, ir.IntType(8).as_pointer()))
+            return context.get_dummy_value()
 
-    return types.none(a, i, j), codegen
+        return types.none(a, i, j), codegen
+
+    return op
 
 
-@intrinsic
-def touch(typingctx, a, i, j):
-    """Read the byte at ``a[i, j]`` (a 2-D array) and drop it: a load the compiler keeps
-    (atomic, monotonic: an ordinary ``mov`` on x86-64, ``ldrb`` on ARM), so that the line
-    holding it is brought into the caches by the time this returns. No bounds check: only
-    for elements that exist."""
-    if not (isinstance(a, types.Array) and a.ndim == 2):
-        return None
-    if not (isinstance(i, types.Integer) and isinstance(j, types.Integer)):
-        return None
+# prefetch(a, i, j): ask the CPU to bring the cache line holding a[i, j] into its caches
+# ahead of use (llvm.prefetch: a hint, never a fault, even out of bounds). Attention over
+# a long cache alternates memory-bound reads with arithmetic on what was read; without a
+# hint, no read is in flight while the arithmetic runs. Prefetching rows a fixed distance
+# ahead as each row is computed keeps the memory busy throughout
+prefetch = _line_op(prefetch_ir)
 
-    def codegen(context, builder, signature, args):
-        aty = signature.args[0]
-        ary = context.make_array(aty)(context, builder, args[0])
-        idx = [
-            context.cast(builder, v, t, types.intp)
-            for v, t in zip(args[1:], signature.args[1:], strict=True)
-        ]
-        ptr = cgutils.get_item_pointer2(
-            context,
-            builder,
-            ary.data,
-            cgutils.unpack_tuple(builder, ary.shape),
-            cgutils.unpack_tuple(builder, ary.strides),
-            aty.layout,
-            idx,
-        )
-        builder.load_atomic(builder.bitcast(ptr, ir.IntType(8).as_pointer()), "monotonic", 1)
-        return context.get_dummy_value()
-
-    return types.none(a, i, j), codegen
+# touch(a, i, j): read the byte at a[i, j] and drop it, a load the compiler keeps (atomic,
+# monotonic: an ordinary mov on x86-64, ldrb on ARM), so that the line holding it is in
+# the caches by the time it returns. Only for elements that exist (no bounds check)
+touch = _line_op(lambda builder, ptr: builder.load_atomic(ptr, "monotonic", 1))
 
 
 @njit(cache=True)
