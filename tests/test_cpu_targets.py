@@ -162,6 +162,7 @@ _SCRIPT = textwrap.dedent(
     from nbkv.kernels.cpu_simd import LANES, accumulate_rows, tile_lanes
 
     assert tile_lanes() < LANES and cpu_attention._LINE_PASSES  # both targets take it
+    assert cpu_attention._AHEAD_K32 == 16  # and prefetch float32 K 16 rows ahead
 
     @njit
     def whole(s, vb, acc, c0):

@@ -57,6 +57,13 @@ _AHEAD = 64
 # 128, float32): _accumulate reads the rows in pieces of _BLOCK, each first touched in
 # memory order (cpu_math.touch_rows, which says what that saved)
 _LINE_PASSES = tile_lanes() < LANES
+# float32 K rows prefetched ahead by the score pass on those targets: 16 rows (8 KiB at
+# head_dim 128) rather than _AHEAD. On the Zen 2 guest of 2026-12-06 (AVX2) the 32k
+# float32 decode step's paired share of the read went from 45.0-45.2% to 46.8-49.1% (two
+# runs each, alternating; 8 rows: 46.8%, no better), where the K pass alone took 6.5 ms
+# against 7.4 at 64 rows and 6.8 with no prefetch (benchmarks/README.md, "On an AMD EPYC
+# Zen 2"). 16-bit K keeps _AHEAD: at 16 its step took 7.4-7.5 ms against 6.4-6.6
+_AHEAD_K32 = 16 if _LINE_PASSES else _AHEAD
 
 
 def _rows(src, table, buf):
@@ -190,6 +197,7 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
     block = _block_size(size, dim * k_cache.itemsize)  # positions per softmax step
     s_buf = np.empty((size, block), q.dtype)  # a block's scores, then weights
     k_rows, v_rows = k_cache[b, kvh], v_cache[b, kvh]
+    k_ahead = _AHEAD_K32 if k_cache.itemsize == 4 else _AHEAD
     for i0 in range(0, n_q, chunk):
         n_c = min(chunk, n_q - i0)
         rows = group * n_c
@@ -212,8 +220,8 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
         for j0 in range(lo, hi, block):
             j1 = min(j0 + block, hi)
             nb = j1 - j0
-            # the rows _AHEAD past each one start on their way while it is computed
-            _scores(qs, k_rows[j0:j1], s, 0, kind, _AHEAD)
+            # the rows k_ahead past each one start on their way while it is computed
+            _scores(qs, k_rows[j0:j1], s, 0, kind, k_ahead)
             if j0 < all_lo or j1 > all_hi:
                 # a block at the edge of the causal mask or the window: mask per row
                 _mask(s, nb, j0, p0, n_c, causal, window)
