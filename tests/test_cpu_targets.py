@@ -216,3 +216,14 @@ def test_attention_matches_the_reference_on_other_x86_targets(tmp_path, name, fe
     assert widest in seen, seen
     wider = {"xmm": {"ymm", "zmm"}, "ymm": {"zmm"}}[widest]
     assert not wider.intersection(seen), seen
+
+
+def test_the_score_pass_prefetches_float32_k_16_rows_on_only_where_the_v_pass_goes_in_line_passes():
+    # on this host's own target: AVX-512 keeps _AHEAD (64), narrower vectors 16 rows;
+    # 16-bit and float64 K keep _AHEAD everywhere
+    from nbkv.kernels import cpu_attention as ca
+
+    assert ca._AHEAD_K32 == (16 if ca._LINE_PASSES else ca._AHEAD)
+    assert ca._k_ahead(np.zeros((2, 16), np.float32)) == ca._AHEAD_K32
+    for dtype in (np.uint16, np.float64):
+        assert ca._k_ahead(np.zeros((2, 16), dtype)) == ca._AHEAD

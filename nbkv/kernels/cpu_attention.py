@@ -58,11 +58,14 @@ _AHEAD = 64
 # memory order (cpu_math.touch_rows, which says what that saved)
 _LINE_PASSES = tile_lanes() < LANES
 # float32 K rows prefetched ahead by the score pass on those targets: 16 rows (8 KiB at
-# head_dim 128) rather than _AHEAD. On the Zen 2 guest of 2026-12-06 (AVX2) the 32k
-# float32 decode step's paired share of the read went from 45.0-45.2% to 46.8-49.1% (two
-# runs each, alternating; 8 rows: 46.8%, no better), where the K pass alone took 6.5 ms
-# against 7.4 at 64 rows and 6.8 with no prefetch (benchmarks/README.md, "On an AMD EPYC
-# Zen 2"). 16-bit K keeps _AHEAD: at 16 its step took 7.4-7.5 ms against 6.4-6.6
+# head_dim 128) rather than _AHEAD. Measured on one CPU only, the Zen 2 guest of 2026-12-06
+# (AVX2; the vector width stands in for how the CPU serves prefetches, untimed on Intel
+# AVX2, Zen 3 or NEON): the K pass alone (scores and softmax, 8 heads x 32k, cold) took
+# 6.2-6.5 ms at 16 rows, 7.1-7.4 at 64, 6.7-6.8 with none, and the 32k float32 decode
+# step's paired share of the read went from 45.0-45.2% to 46.8-49.1% (two runs each,
+# alternating; 8 rows: 46.8%, no better; benchmarks/README.md, "On an AMD EPYC Zen 2").
+# 16-bit K keeps _AHEAD: with K and V both at 16 rows the float16 step took 7.4-7.5 ms
+# against 6.4-6.6 at 64 (K alone at 16 not timed)
 _AHEAD_K32 = 16 if _LINE_PASSES else _AHEAD
 
 
@@ -197,7 +200,7 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
     block = _block_size(size, dim * k_cache.itemsize)  # positions per softmax step
     s_buf = np.empty((size, block), q.dtype)  # a block's scores, then weights
     k_rows, v_rows = k_cache[b, kvh], v_cache[b, kvh]
-    k_ahead = _AHEAD_K32 if k_cache.itemsize == 4 else _AHEAD
+    k_ahead = _k_ahead(k_cache)
     for i0 in range(0, n_q, chunk):
         n_c = min(chunk, n_q - i0)
         rows = group * n_c
@@ -232,6 +235,13 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
             inv = 1.0 / denom[r]  # inf when nothing was finite: 0 * inf = NaN out
             for d in range(dim):
                 out[b, h, i0 + r % n_c, d] = acc[r, d] * inv
+
+
+@njit(cache=True)
+def _k_ahead(k_rows):
+    """Rows ahead that the score pass prefetches over ``k_rows``: :data:`_AHEAD_K32` for
+    float32 K, :data:`_AHEAD` for any other (16-bit bits, float64)."""
+    return _AHEAD_K32 if k_rows.itemsize == 4 else _AHEAD
 
 
 @njit(cache=True)
