@@ -143,8 +143,11 @@ _SCRIPT = textwrap.dedent(
             assert maximum(s, r, nb) == best, (nb, r)
 
     for dtype in ("float32", "float16", "bfloat16"):
-        # 48: the score tile reads whole lines, then passes (16-bit K); 40: no tile
-        for dim, n_q, seq in ((128, 1, 300), (64, 5, 77), (48, 1, 90), (40, 3, 50)):
+        # 48: the score tile reads whole lines, then passes (16-bit K); 40: no tile; 5
+        # and 33 queries: chunks of 20 and 132 rows, the prefill's matrix products
+        for dim, n_q, seq in (
+            (128, 1, 300), (64, 5, 77), (48, 1, 90), (40, 3, 50), (128, 33, 300)
+        ):
             cache = nbkv.LayerKVCache(512, batch=2, num_kv_heads=2, head_dim=dim, dtype=dtype)
             k = rng.standard_normal((2, 2, seq, dim)).astype(resolve_dtype(dtype))
             v = rng.standard_normal((2, 2, seq, dim)).astype(resolve_dtype(dtype))
@@ -163,6 +166,8 @@ _SCRIPT = textwrap.dedent(
 
     assert tile_lanes() < LANES and cpu_attention._LINE_PASSES  # both targets take it
     assert cpu_attention._AHEAD_K32 == 16  # and prefetch float32 K 16 rows ahead
+    assert cpu_attention._OUTER  # and take a prefill chunk's passes as matrix products
+    from nbkv.kernels.cpu_prefill import accumulate_outer, scores_outer, transpose_rows
 
     @njit
     def whole(s, vb, acc, c0):
@@ -188,6 +193,18 @@ _SCRIPT = textwrap.dedent(
         want = acc0.astype(np.float64) + s[:, c0:].astype(np.float64) @ vb.astype(np.float64)
         assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max())
         assert np.array_equal(pool[:, heads - 1], vb)  # read, never written
+        # the prefill's V pass (six rows at a time): the same sums, in the same order
+        wide = acc0.copy()
+        accumulate_outer(s, vb, wide, c0, -1)
+        assert np.array_equal(wide[:full].view(np.uint32), base[:full].view(np.uint32))
+        assert np.abs(wide - want).max() < 1e-4 * max(1.0, np.abs(want).max())
+        # and its score pass, over the rows transposed, against float64
+        kt = np.zeros((dim, nb + 16), np.float32)
+        transpose_rows(vb, -1, kt)
+        sc = np.full((rows, c0 + nb + 16), np.nan, np.float32)
+        scores_outer(acc0, kt, sc, c0, nb)
+        ref = acc0.astype(np.float64) @ vb.T.astype(np.float64)
+        assert np.abs(sc[:, c0 : c0 + nb] - ref).max() < 1e-5 * max(1.0, np.abs(ref).max())
     asm = "".join(cpu_attention.attend_serial.inspect_asm().values())
     print("registers:", *sorted(r for r in ("xmm", "ymm", "zmm") if r in asm))
     """

@@ -225,9 +225,11 @@ def tile_loops(g, krows, far):
     return sums
 
 
-def accumulate_codegen(fmt, chunks, context, builder, signature, args):
-    """The IR of :func:`~nbkv.kernels.cpu_simd.accumulate_rows`: two copies of its loops,
-    with prefetches and without, chosen once by ``ahead`` (no test inside them)."""
+def accumulate_codegen(fmt, chunks, context, builder, signature, args, rows=TILE):
+    """The IR of :func:`~nbkv.kernels.cpu_simd.accumulate_rows` (``rows`` rows from
+    ``r``: 4 there, 1 to 6 for :func:`nbkv.kernels.cpu_prefill.accumulate_outer`): two
+    copies of its loops, with prefetches and without, chosen once by ``ahead`` (no test
+    inside them)."""
     sty, rty, vty, nty, aty, cty, hty = signature.args
     intp = context.get_value_type(types.intp)
     r0 = context.cast(builder, args[1], rty, types.intp)
@@ -244,7 +246,7 @@ def accumulate_codegen(fmt, chunks, context, builder, signature, args):
             context.make_array(t)(context, builder, v)
             for t, v in zip((sty, vty, aty), (args[0], args[2], args[4]), strict=True)
         ],
-        rows=[builder.add(r0, intp(i)) for i in range(TILE)],
+        rows=[builder.add(r0, intp(i)) for i in range(rows)],
         n=context.cast(builder, args[3], nty, types.intp),
         c0=context.cast(builder, args[5], cty, types.intp),
         ahead=context.cast(builder, args[6], hty, types.intp),
@@ -311,12 +313,12 @@ def accumulate_loops(g, with_prefetch):
     builder.cbranch(builder.icmp_signed("<", j_next, g.n), inner, tail)
     j.add_incoming(intp(0), outer)
     j.add_incoming(j_next, inner)
-    for i in range(TILE):
+    for i in range(len(g.rows)):
         for c in range(chunks):
             sums[i][c].add_incoming(start[i][c], outer)
             sums[i][c].add_incoming(new[i][c], inner)
     builder.position_at_end(tail)
-    for i in range(TILE):
+    for i in range(len(g.rows)):
         for c in range(chunks):
             builder.store(new[i][c], builder.bitcast(aptr[i][c], f32v.as_pointer()), align=4)
     d_next = builder.add(d, intp(lanes * chunks))

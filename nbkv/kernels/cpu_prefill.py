@@ -1,0 +1,393 @@
+"""The score pass of a prefill chunk as a matrix product, for CPUs whose vectors are
+narrower than AVX-512's: a block of K rows copied transposed, then tiles of query rows by
+positions whose sums never leave their lanes.
+
+A decode step scores a few query rows against each K row, and
+:func:`nbkv.kernels.cpu_simd.score_tile` does that as dot products along head_dim: each sum
+ends as a vector of partial sums, reduced across its lanes. Where vectors have 8 lanes
+(AVX2's 16 registers) that tile holds 4 x 2 sums, eight chains of multiply-adds: a
+multiply-add takes 5 cycles on the Zen 2 and two can start per cycle, so eight chains keep
+the units four fifths busy at best, and the reductions come on top. Measured on the Zen 2
+guest of 2026-12-06 (one thread, K in cache, 128 query rows over 4,096 positions): 55 GFLOP/s
+of the core's 108.
+
+A prefill chunk has 128 query rows per block of 64 positions, enough to pay for a copy
+of the block: :func:`transpose_rows` writes K's block as ``kt[d, j]`` (float32; 16-bit K
+widened on the way, ``lanes x lanes`` at a time with shuffles), and then
+:func:`scores_outer` computes ``s[r, j]`` for 6 rows by ``2 x lanes`` positions at a
+time as sums of outer products: for each ``d``, one query element per row broadcast,
+times the two vectors ``kt[d, j:j + 2 lanes]``. Twelve independent sums stay in
+registers (with two vectors and a broadcast: 15 of 16), every sum lands in its own lane,
+and nothing is reduced. Same data: 97 GFLOP/s, 78.5 with the copy.
+
+The sums run over ``d`` in order, one chain per score (the tile sums lanes first, then
+vectors): the same scores to float32 rounding, not bit for bit; the attention tests hold
+both to the float64 reference.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit
+from numba.core import cgutils, types
+from numba.extending import intrinsic, overload
+
+from .. import _config
+from .cpu_loops import value_of
+from .cpu_simd_ir import accumulate_codegen
+from .cpu_vector import (
+    fma,
+    load_lanes,
+    row_pointer,
+    shuffle_mask,
+    splat,
+    stored_type,
+    tile_lanes,
+    typed_2d,
+)
+
+__all__ = ["OUTER_ROWS", "outer_columns", "scores_outer", "transpose_rows"]
+
+# query rows per outer-product tile: 6 rows x 2 vectors = 12 accumulators, the most that
+# fit 16 registers beside the two K vectors and the broadcast (10 chains keep a Zen 2's
+# two FMA units busy: 5 cycles' latency, two a cycle)
+OUTER_ROWS = 6
+_VECTORS = 2  # vectors of positions per tile row
+# elements of head_dim summed in registers before they are added to the scores in memory:
+# one chain over all 128 left scores 4x further from the float64 reference than the
+# dot-product tile's (which sums 16 per lane, then its lanes pairwise); spans of 16 keep
+# them as close (the attention tests' tolerance, 3e-5 on the output, failed without)
+_SPAN = 16
+
+
+def outer_columns(lanes):
+    """Positions per outer-product tile for vectors of ``lanes`` float32 lanes."""
+    return _VECTORS * lanes
+
+
+def _transpose_lanes(builder, rows):
+    """The ``n x n`` transpose of ``rows`` (``n`` vectors of ``n`` lanes, ``n`` a power of
+    two): log2(n) stages of shuffles, each pairing row ``i`` with row ``i + b`` and
+    swapping the off-diagonal blocks of ``b`` lanes in every group of ``2 b``."""
+    n = len(rows)
+    rows = list(rows)
+    b = n // 2
+    while b >= 1:
+        out = list(rows)
+        for i in range(n):
+            if i & b:
+                continue
+            low, high = [], []
+            for g in range(0, n, 2 * b):  # lanes of rows[i + b] are numbered n..2n-1
+                low.extend(list(range(g, g + b)) + list(range(n + g, n + g + b)))
+                high.extend(list(range(g + b, g + 2 * b)) + list(range(n + g + b, n + g + 2 * b)))
+            out[i] = builder.shuffle_vector(rows[i], rows[i + b], shuffle_mask(low))
+            out[i + b] = builder.shuffle_vector(rows[i], rows[i + b], shuffle_mask(high))
+        rows = out
+        b //= 2
+    return rows
+
+
+def _make_transpose(fmt, lanes):
+    """The intrinsic ``(kb, j, d, kt)``: ``kt[d + i, j + t] = kb[j + t, d + i]`` for i, t
+    below ``lanes``, ``kb`` stored as ``fmt`` (widened to float32)."""
+
+    @intrinsic
+    def tile(typingctx, kb, j, d, kt):
+        if not typed_2d((kb, stored_type(fmt)), (kt, types.float32)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            kty, jty, dty, tty = signature.args
+            ka = context.make_array(kty)(context, builder, args[0])
+            ta = context.make_array(tty)(context, builder, args[3])
+            intp = context.get_value_type(types.intp)
+            j0 = context.cast(builder, args[1], jty, types.intp)
+            d0 = context.cast(builder, args[2], dty, types.intp)
+            rows = [
+                load_lanes(
+                    builder,
+                    row_pointer(context, builder, kty, ka, builder.add(j0, intp(t)), d0),
+                    fmt,
+                    lanes,
+                )
+                for t in range(lanes)
+            ]
+            f32v = ir.VectorType(ir.FloatType(), lanes)
+            for i, vec in enumerate(_transpose_lanes(builder, rows)):
+                ptr = row_pointer(context, builder, tty, ta, builder.add(d0, intp(i)), j0)
+                builder.store(vec, builder.bitcast(ptr, f32v.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.none(kb, j, d, kt), codegen
+
+    return tile
+
+
+def _make_outer(rows, lanes):
+    """The intrinsic ``(qs, r, kt, c, s, col)``: ``s[r + i, col + c + t] = sum over d of
+    qs[r + i, d] * kt[d, c + t]`` for i below ``rows``, t below ``2 x lanes``."""
+
+    @intrinsic
+    def tile(typingctx, qs, r, kt, c, s, col):
+        if not typed_2d((qs, types.float32), (kt, types.float32), (s, types.float32)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            qty, rty, tty, cty, sty, oty = signature.args
+            qa, ta, sa = (
+                context.make_array(t)(context, builder, a)
+                for t, a in zip((qty, tty, sty), (args[0], args[2], args[4]), strict=True)
+            )
+            intp = context.get_value_type(types.intp)
+            r0 = context.cast(builder, args[1], rty, types.intp)
+            c0 = context.cast(builder, args[3], cty, types.intp)
+            col = builder.add(context.cast(builder, args[5], oty, types.intp), c0)
+            dim = cgutils.unpack_tuple(builder, qa.shape)[1]
+            kstride = cgutils.unpack_tuple(builder, ta.strides)[0]
+            f32v = ir.VectorType(ir.FloatType(), lanes)
+            qrows = [
+                row_pointer(context, builder, qty, qa, builder.add(r0, intp(i)), intp(0))
+                for i in range(rows)
+            ]
+            kbase = row_pointer(context, builder, tty, ta, intp(0), c0)
+            zero = ir.Constant(f32v, [0.0] * lanes)
+            targets = [  # s[r + i, col + lanes v:], zeroed, then a span's sums added
+                builder.bitcast(
+                    row_pointer(
+                        context,
+                        builder,
+                        sty,
+                        sa,
+                        builder.add(r0, intp(i)),
+                        builder.add(col, intp(lanes * v)),
+                    ),
+                    f32v.as_pointer(),
+                )
+                for i in range(rows)
+                for v in range(_VECTORS)
+            ]
+            for ptr in targets:
+                builder.store(zero, ptr, align=4)
+            entry = builder.basic_block
+            spans = builder.append_basic_block("outer.spans")
+            loop = builder.append_basic_block("outer.d")
+            tail = builder.append_basic_block("outer.span_end")
+            done = builder.append_basic_block("outer.done")
+            builder.branch(spans)  # head_dim > 0, a multiple of _SPAN (tile_ok: of 16)
+            builder.position_at_end(spans)
+            d0 = builder.phi(intp)
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            d = builder.phi(intp)
+            sums = [builder.phi(f32v) for _ in targets]  # sums[i * _VECTORS + v]
+            krow = builder.gep(kbase, [builder.mul(d, kstride)])  # kt[d, c:]
+            kv = [
+                load_lanes(builder, builder.gep(krow, [intp(4 * lanes * v)]), "f32", lanes)
+                for v in range(_VECTORS)
+            ]
+            new = []
+            for i in range(rows):  # query element (r + i, d), broadcast
+                qptr = builder.bitcast(
+                    builder.gep(qrows[i], [builder.mul(d, intp(4))]), ir.FloatType().as_pointer()
+                )
+                w = splat(builder, builder.load(qptr, align=4), lanes)
+                new.extend(fma(builder, w, kv[v], sums[i * _VECTORS + v]) for v in range(_VECTORS))
+            d_next = builder.add(d, intp(1))
+            span_end = builder.add(d0, intp(_SPAN))
+            builder.cbranch(builder.icmp_signed("<", d_next, span_end), loop, tail)
+            d.add_incoming(d0, spans)
+            d.add_incoming(d_next, loop)
+            for phi, v in zip(sums, new, strict=True):
+                phi.add_incoming(zero, spans)
+                phi.add_incoming(v, loop)
+            builder.position_at_end(tail)  # the span's sums into s
+            for ptr, v in zip(targets, new, strict=True):
+                builder.store(builder.fadd(builder.load(ptr, align=4), v), ptr, align=4)
+            builder.cbranch(builder.icmp_signed("<", span_end, dim), spans, done)
+            d0.add_incoming(intp(0), entry)
+            d0.add_incoming(span_end, tail)
+            builder.position_at_end(done)
+            return context.get_dummy_value()
+
+        return types.none(qs, r, kt, c, s, col), codegen
+
+    return tile
+
+
+def _make_accumulate(fmt, rows):
+    """The intrinsic ``(s, r, vb, nb, acc, c0, ahead)`` of
+    :func:`nbkv.kernels.cpu_simd.accumulate_rows` for ``rows`` query rows from ``r``."""
+
+    @intrinsic
+    def accumulate(typingctx, s, r, vb, nb, acc, c0, ahead):
+        if not typed_2d((s, types.float32), (vb, stored_type(fmt)), (acc, types.float32)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            accumulate_codegen(fmt, 1, context, builder, signature, args, rows)
+            return context.get_dummy_value()
+
+        return types.none(s, r, vb, nb, acc, c0, ahead), codegen
+
+    return accumulate
+
+
+_LANES = tile_lanes()  # the CPU Numba compiles for decides, once per process
+_WIDTH = outer_columns(_LANES)  # positions per tile
+_TRANSPOSE = {fmt: _make_transpose(fmt, _LANES) for fmt in ("f32", "f16", "bf16")}
+_OUTER = [None] + [_make_outer(n, _LANES) for n in range(1, OUTER_ROWS + 1)]
+_tr_f32, _tr_f16, _tr_bf16 = _TRANSPOSE["f32"], _TRANSPOSE["f16"], _TRANSPOSE["bf16"]
+_outer1, _outer2, _outer3, _outer4, _outer5, _outer6 = _OUTER[1:]
+
+
+def _transpose_tile(kb, j, d, kt, kind):
+    """``kt[d + i, j + t] = kb[j + t, d + i]`` (widened) for i, t below the lanes. By the
+    overload."""
+    raise NotImplementedError  # pragma: no cover - only called from compiled code
+
+
+@overload(_transpose_tile, inline="always", jit_options={"cache": True})
+def _transpose_tile_impl(kb, j, d, kt, kind):
+    if kb.dtype == types.float32:
+        return lambda kb, j, d, kt, kind: _tr_f32(kb, j, d, kt)
+    if kb.dtype != types.uint16:
+        return lambda kb, j, d, kt, kind: None  # float64 K: tile_ok is False
+
+    def widened(kb, j, d, kt, kind):
+        if kind == 0:
+            _tr_f16(kb, j, d, kt)
+        else:
+            _tr_bf16(kb, j, d, kt)
+
+    return widened
+
+
+@njit(cache=True, fastmath=_config.FASTMATH)
+def transpose_rows(kb, kind, kt):
+    """``kt[d, j] = kb[j, d]`` for every row ``j`` of ``kb`` ([nb, head_dim]: float32, or
+    the uint16 bits of float16 (``kind`` 0) or bfloat16 (1), widened). Only where
+    :func:`nbkv.kernels.cpu_simd.tile_ok` holds for (``kt``'s rows, ``kb``): head_dim a
+    multiple of 16, unit-stride rows; ``kt``: float32 [head_dim, at least nb]. Whole
+    ``lanes x lanes`` squares by shuffles, the rows past the last whole one by one.
+    Mutates ``kt`` (its columns past ``nb`` are left as they were)."""
+    nb, dim = kb.shape
+    j = 0
+    while j + _LANES <= nb:
+        for d in range(0, dim, _LANES):
+            _transpose_tile(kb, j, d, kt, kind)
+        j += _LANES
+    for t in range(j, nb):  # the rows past the last whole square
+        for d in range(dim):
+            kt[d, t] = value_of(kb[t, d], kind)
+
+
+@njit(cache=True)
+def scores_outer(qs, kt, s, c0, nb):
+    """``s[r, c0 + j] = qs[r] . kt[:, j]`` for every query row ``r`` and ``j < nb``, in tiles
+    of :data:`OUTER_ROWS` rows by :func:`outer_columns` positions (the rows left over in
+    one smaller tile). qs: float32 [rows, head_dim]; kt: float32 [head_dim, at least nb
+    rounded up to whole tiles] (:func:`transpose_rows`); s: float32, rows of unit stride,
+    at least ``c0`` + that many columns: the columns between ``nb`` and the tiles' end get
+    the scores of whatever ``kt`` holds there (finite values give finite scores, which
+    nothing reads). Mutates ``s``."""
+    rows = qs.shape[0]
+    width = _WIDTH
+    cols = (nb + width - 1) // width * width
+    r = 0
+    while r + OUTER_ROWS <= rows:
+        for c in range(0, cols, width):
+            _outer_tile(qs, r, kt, c, s, c0, OUTER_ROWS)
+        r += OUTER_ROWS
+    if r < rows:  # the rows left over, in one smaller tile
+        for c in range(0, cols, width):
+            _outer_tile(qs, r, kt, c, s, c0, rows - r)
+
+
+def _outer_tile(qs, r, kt, c, s, col, n):
+    """``s[r + i, col + c + t] = qs[r + i] . kt[:, c + t]`` for i below ``n`` (1 to
+    :data:`OUTER_ROWS`) and t below :func:`outer_columns`. By the overload."""
+    raise NotImplementedError  # pragma: no cover - only called from compiled code
+
+
+@overload(_outer_tile, inline="always", jit_options={"cache": True})
+def _outer_tile_impl(qs, r, kt, c, s, col, n):
+    if qs.dtype != types.float32:
+        return lambda qs, r, kt, c, s, col, n: None  # float64 queries: tile_ok is False
+
+    def by_rows(qs, r, kt, c, s, col, n):
+        if n == 6:
+            _outer6(qs, r, kt, c, s, col)
+        elif n == 5:
+            _outer5(qs, r, kt, c, s, col)
+        elif n == 4:
+            _outer4(qs, r, kt, c, s, col)
+        elif n == 3:
+            _outer3(qs, r, kt, c, s, col)
+        elif n == 2:
+            _outer2(qs, r, kt, c, s, col)
+        else:
+            _outer1(qs, r, kt, c, s, col)
+
+    return by_rows
+
+
+_ACC_ROWS = (OUTER_ROWS, 4, 2, 1)  # rows per V-pass tile: six, then what is left
+_ACC = {(fmt, n): _make_accumulate(fmt, n) for fmt in ("f32", "f16", "bf16") for n in _ACC_ROWS}
+
+
+def _acc_tile(s, r, vb, nb, acc, c0, kind, n):
+    """``acc[r + i] += sum over j < nb of s[r + i, c0 + j] * vb[j]`` for i below ``n`` (6,
+    4, 2 or 1). By the overload."""
+    raise NotImplementedError  # pragma: no cover - only called from compiled code
+
+
+@overload(_acc_tile, inline="always", jit_options={"cache": True})
+def _acc_tile_impl(s, r, vb, nb, acc, c0, kind, n):
+    if acc.dtype != types.float32 or vb.dtype not in (types.float32, types.uint16):
+        return lambda s, r, vb, nb, acc, c0, kind, n: None  # float64: tile_ok is False
+    fmts = ("f32",) if vb.dtype == types.float32 else ("f16", "bf16")
+    a = {f: [_ACC[f, m] for m in _ACC_ROWS] for f in fmts}
+    (x6, x4, x2, x1) = a[fmts[0]]
+    (y6, y4, y2, y1) = a[fmts[-1]]
+
+    def by_rows(s, r, vb, nb, acc, c0, kind, n):
+        if kind <= 0:  # float32, or float16 bits
+            if n == 6:
+                x6(s, r, vb, nb, acc, c0, 0)
+            elif n == 4:
+                x4(s, r, vb, nb, acc, c0, 0)
+            elif n == 2:
+                x2(s, r, vb, nb, acc, c0, 0)
+            else:
+                x1(s, r, vb, nb, acc, c0, 0)
+        elif n == 6:  # bfloat16 bits
+            y6(s, r, vb, nb, acc, c0, 0)
+        elif n == 4:
+            y4(s, r, vb, nb, acc, c0, 0)
+        elif n == 2:
+            y2(s, r, vb, nb, acc, c0, 0)
+        else:
+            y1(s, r, vb, nb, acc, c0, 0)
+
+    return by_rows
+
+
+@njit(cache=True)
+def accumulate_outer(s, vb, acc, c0, kind):
+    """``acc[r] += sum over j of s[r, c0 + j] * vb[j]`` for every row ``r`` of ``acc``: the
+    V pass of a prefill chunk, :data:`OUTER_ROWS` rows at a time (each V vector loaded
+    feeds six rows; 6 x 2 accumulators), the rows left over by 4, 2 and 1. ``vb``: float32
+    rows, or the uint16 bits of float16 (``kind`` 0) or bfloat16 (1); only where
+    :func:`nbkv.kernels.cpu_simd.tile_ok` holds for (``acc``, ``vb``) and ``vb`` has rows.
+    Mutates ``acc``."""
+    rows = acc.shape[0]
+    nb = vb.shape[0]
+    r = 0
+    while r + OUTER_ROWS <= rows:
+        _acc_tile(s, r, vb, nb, acc, c0, kind, OUTER_ROWS)
+        r += OUTER_ROWS
+    for n in (4, 2, 1):
+        if r + n <= rows:
+            _acc_tile(s, r, vb, nb, acc, c0, kind, n)
+            r += n
