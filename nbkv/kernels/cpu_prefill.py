@@ -27,6 +27,8 @@ both to the float64 reference.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from llvmlite import ir
 from numba import njit
 from numba.core import cgutils, types
@@ -134,85 +136,104 @@ def _make_outer(rows, lanes):
             return None
 
         def codegen(context, builder, signature, args):
-            qty, rty, tty, cty, sty, oty = signature.args
-            qa, ta, sa = (
-                context.make_array(t)(context, builder, a)
-                for t, a in zip((qty, tty, sty), (args[0], args[2], args[4]), strict=True)
-            )
-            intp = context.get_value_type(types.intp)
-            r0 = context.cast(builder, args[1], rty, types.intp)
-            c0 = context.cast(builder, args[3], cty, types.intp)
-            col = builder.add(context.cast(builder, args[5], oty, types.intp), c0)
-            dim = cgutils.unpack_tuple(builder, qa.shape)[1]
-            kstride = cgutils.unpack_tuple(builder, ta.strides)[0]
-            f32v = ir.VectorType(ir.FloatType(), lanes)
-            qrows = [
-                row_pointer(context, builder, qty, qa, builder.add(r0, intp(i)), intp(0))
-                for i in range(rows)
-            ]
-            kbase = row_pointer(context, builder, tty, ta, intp(0), c0)
-            zero = ir.Constant(f32v, [0.0] * lanes)
-            targets = [  # s[r + i, col + lanes v:], zeroed, then a span's sums added
-                builder.bitcast(
-                    row_pointer(
-                        context,
-                        builder,
-                        sty,
-                        sa,
-                        builder.add(r0, intp(i)),
-                        builder.add(col, intp(lanes * v)),
-                    ),
-                    f32v.as_pointer(),
-                )
-                for i in range(rows)
-                for v in range(_VECTORS)
-            ]
-            for ptr in targets:
-                builder.store(zero, ptr, align=4)
-            entry = builder.basic_block
-            spans = builder.append_basic_block("outer.spans")
-            loop = builder.append_basic_block("outer.d")
-            tail = builder.append_basic_block("outer.span_end")
-            done = builder.append_basic_block("outer.done")
-            builder.branch(spans)  # head_dim > 0, a multiple of _SPAN (tile_ok: of 16)
-            builder.position_at_end(spans)
-            d0 = builder.phi(intp)
-            builder.branch(loop)
-            builder.position_at_end(loop)
-            d = builder.phi(intp)
-            sums = [builder.phi(f32v) for _ in targets]  # sums[i * _VECTORS + v]
-            krow = builder.gep(kbase, [builder.mul(d, kstride)])  # kt[d, c:]
-            kv = [
-                load_lanes(builder, builder.gep(krow, [intp(4 * lanes * v)]), "f32", lanes)
-                for v in range(_VECTORS)
-            ]
-            new = []
-            for i in range(rows):  # query element (r + i, d), broadcast
-                qptr = builder.bitcast(
-                    builder.gep(qrows[i], [builder.mul(d, intp(4))]), ir.FloatType().as_pointer()
-                )
-                w = splat(builder, builder.load(qptr, align=4), lanes)
-                new.extend(fma(builder, w, kv[v], sums[i * _VECTORS + v]) for v in range(_VECTORS))
-            d_next = builder.add(d, intp(1))
-            span_end = builder.add(d0, intp(_SPAN))
-            builder.cbranch(builder.icmp_signed("<", d_next, span_end), loop, tail)
-            d.add_incoming(d0, spans)
-            d.add_incoming(d_next, loop)
-            for phi, v in zip(sums, new, strict=True):
-                phi.add_incoming(zero, spans)
-                phi.add_incoming(v, loop)
-            builder.position_at_end(tail)  # the span's sums into s
-            for ptr, v in zip(targets, new, strict=True):
-                builder.store(builder.fadd(builder.load(ptr, align=4), v), ptr, align=4)
-            builder.cbranch(builder.icmp_signed("<", span_end, dim), spans, done)
-            d0.add_incoming(intp(0), entry)
-            d0.add_incoming(span_end, tail)
-            builder.position_at_end(done)
+            _outer_codegen(rows, lanes, context, builder, signature, args)
             return context.get_dummy_value()
 
         return types.none(qs, r, kt, c, s, col), codegen
 
     return tile
+
+
+def _outer_codegen(rows, lanes, context, builder, signature, args):
+    """The IR of :func:`_make_outer`'s tile: the pointers it reads and writes, its scores
+    zeroed, then :func:`_outer_loops`."""
+    qty, rty, tty, cty, sty, oty = signature.args
+    qa, ta, sa = (
+        context.make_array(t)(context, builder, a)
+        for t, a in zip((qty, tty, sty), (args[0], args[2], args[4]), strict=True)
+    )
+    intp = context.get_value_type(types.intp)
+    r0 = context.cast(builder, args[1], rty, types.intp)
+    c0 = context.cast(builder, args[3], cty, types.intp)
+    col = builder.add(context.cast(builder, args[5], oty, types.intp), c0)
+    f32v = ir.VectorType(ir.FloatType(), lanes)
+    g = SimpleNamespace(
+        builder=builder,
+        intp=intp,
+        lanes=lanes,
+        f32v=f32v,
+        dim=cgutils.unpack_tuple(builder, qa.shape)[1],
+        kstride=cgutils.unpack_tuple(builder, ta.strides)[0],
+        kbase=row_pointer(context, builder, tty, ta, intp(0), c0),  # kt[0, c]
+        qrows=[  # qs[r + i, 0]
+            row_pointer(context, builder, qty, qa, builder.add(r0, intp(i)), intp(0))
+            for i in range(rows)
+        ],
+        targets=[  # s[r + i, col + c + lanes v], as vectors: targets[i * _VECTORS + v]
+            builder.bitcast(
+                row_pointer(
+                    context,
+                    builder,
+                    sty,
+                    sa,
+                    builder.add(r0, intp(i)),
+                    builder.add(col, intp(lanes * v)),
+                ),
+                f32v.as_pointer(),
+            )
+            for i in range(rows)
+            for v in range(_VECTORS)
+        ],
+        zero=ir.Constant(f32v, [0.0] * lanes),
+    )
+    for ptr in g.targets:  # zeroed, then each span's sums added
+        builder.store(g.zero, ptr, align=4)
+    _outer_loops(g)
+
+
+def _outer_loops(g):
+    """Spans of ``_SPAN`` elements of head_dim; in each, per ``d``, the tile's query
+    elements broadcast times the two vectors of ``kt[d]``, into sums held in registers,
+    added to the scores in memory at the span's end."""
+    builder, intp, lanes = g.builder, g.intp, g.lanes
+    entry = builder.basic_block
+    spans = builder.append_basic_block("outer.spans")
+    loop = builder.append_basic_block("outer.d")
+    tail = builder.append_basic_block("outer.span_end")
+    done = builder.append_basic_block("outer.done")
+    builder.branch(spans)  # head_dim > 0, a multiple of _SPAN (tile_ok: of 16)
+    builder.position_at_end(spans)
+    d0 = builder.phi(intp)
+    builder.branch(loop)
+    builder.position_at_end(loop)
+    d = builder.phi(intp)
+    sums = [builder.phi(g.f32v) for _ in g.targets]
+    krow = builder.gep(g.kbase, [builder.mul(d, g.kstride)])  # kt[d, c:]
+    kv = [
+        load_lanes(builder, builder.gep(krow, [intp(4 * lanes * v)]), "f32", lanes)
+        for v in range(_VECTORS)
+    ]
+    new = []
+    for i, qrow in enumerate(g.qrows):  # query element (r + i, d), broadcast
+        qptr = builder.gep(qrow, [builder.mul(d, intp(4))])
+        qptr = builder.bitcast(qptr, ir.FloatType().as_pointer())
+        w = splat(builder, builder.load(qptr, align=4), lanes)
+        new.extend(fma(builder, w, kv[v], sums[i * _VECTORS + v]) for v in range(_VECTORS))
+    d_next = builder.add(d, intp(1))
+    span_end = builder.add(d0, intp(_SPAN))
+    builder.cbranch(builder.icmp_signed("<", d_next, span_end), loop, tail)
+    d.add_incoming(d0, spans)
+    d.add_incoming(d_next, loop)
+    for phi, v in zip(sums, new, strict=True):
+        phi.add_incoming(g.zero, spans)
+        phi.add_incoming(v, loop)
+    builder.position_at_end(tail)  # the span's sums into s
+    for ptr, v in zip(g.targets, new, strict=True):
+        builder.store(builder.fadd(builder.load(ptr, align=4), v), ptr, align=4)
+    builder.cbranch(builder.icmp_signed("<", span_end, g.dim), spans, done)
+    d0.add_incoming(intp(0), entry)
+    d0.add_incoming(span_end, tail)
+    builder.position_at_end(done)
 
 
 def _make_accumulate(fmt, rows):
@@ -342,35 +363,43 @@ def _acc_tile(s, r, vb, nb, acc, c0, kind, n):
     raise NotImplementedError  # pragma: no cover - only called from compiled code
 
 
+def _acc_by_rows(fmt):
+    """A function ``(s, r, vb, nb, acc, c0, n)`` calling ``fmt``'s V-pass intrinsic for
+    ``n`` rows (one of :data:`_ACC_ROWS`)."""
+    six, four, two, one = (_ACC[fmt, n] for n in _ACC_ROWS)
+
+    def by_rows(s, r, vb, nb, acc, c0, n):
+        if n == OUTER_ROWS:
+            six(s, r, vb, nb, acc, c0, 0)
+        elif n == 4:
+            four(s, r, vb, nb, acc, c0, 0)
+        elif n == 2:
+            two(s, r, vb, nb, acc, c0, 0)
+        else:
+            one(s, r, vb, nb, acc, c0, 0)
+
+    return njit(by_rows)
+
+
+_ACC_BY_ROWS = {fmt: _acc_by_rows(fmt) for fmt in ("f32", "f16", "bf16")}
+
+
 @overload(_acc_tile, inline="always", jit_options={"cache": True})
 def _acc_tile_impl(s, r, vb, nb, acc, c0, kind, n):
     if acc.dtype != types.float32 or vb.dtype not in (types.float32, types.uint16):
         return lambda s, r, vb, nb, acc, c0, kind, n: None  # float64: tile_ok is False
-    fmts = ("f32",) if vb.dtype == types.float32 else ("f16", "bf16")
-    a = {f: [_ACC[f, m] for m in _ACC_ROWS] for f in fmts}
-    (x6, x4, x2, x1) = a[fmts[0]]
-    (y6, y4, y2, y1) = a[fmts[-1]]
+    if vb.dtype == types.float32:
+        f32 = _ACC_BY_ROWS["f32"]
+        return lambda s, r, vb, nb, acc, c0, kind, n: f32(s, r, vb, nb, acc, c0, n)
+    f16, bf16 = _ACC_BY_ROWS["f16"], _ACC_BY_ROWS["bf16"]
 
-    def by_rows(s, r, vb, nb, acc, c0, kind, n):
-        if kind <= 0:  # float32, or float16 bits
-            if n == 6:
-                x6(s, r, vb, nb, acc, c0, 0)
-            elif n == 4:
-                x4(s, r, vb, nb, acc, c0, 0)
-            elif n == 2:
-                x2(s, r, vb, nb, acc, c0, 0)
-            else:
-                x1(s, r, vb, nb, acc, c0, 0)
-        elif n == 6:  # bfloat16 bits
-            y6(s, r, vb, nb, acc, c0, 0)
-        elif n == 4:
-            y4(s, r, vb, nb, acc, c0, 0)
-        elif n == 2:
-            y2(s, r, vb, nb, acc, c0, 0)
+    def widened(s, r, vb, nb, acc, c0, kind, n):
+        if kind == 0:
+            f16(s, r, vb, nb, acc, c0, n)
         else:
-            y1(s, r, vb, nb, acc, c0, 0)
+            bf16(s, r, vb, nb, acc, c0, n)
 
-    return by_rows
+    return widened
 
 
 @njit(cache=True)
