@@ -18,7 +18,9 @@ from nbkv import reference
 from nbkv.kernels import cpu_attention
 from nbkv.kernels.cpu_prefill import (
     OUTER_ROWS,
+    TAKEN,
     accumulate_outer,
+    applies,
     outer_columns,
     scores_outer,
     transpose_rows,
@@ -42,9 +44,41 @@ def _stored(x32, dtype):
     return x.view(np.uint16), x.astype(np.float32)
 
 
-def test_the_matrix_products_are_taken_where_the_v_pass_goes_in_line_passes():
-    assert cpu_attention._OUTER == cpu_attention._LINE_PASSES
+def test_a_chunk_takes_the_matrix_products_only_where_they_apply():
+    here = cpu_attention._LINE_PASSES  # AVX2 and narrower: test_cpu_targets.py runs them
+    assert TAKEN == here
+    qs, acc = np.zeros((9, 128), np.float32), np.zeros((9, 128), np.float32)
+    k32, k16 = np.zeros((64, 128), np.float32), np.zeros((64, 128), np.uint16)
+    apart = np.zeros((64, 3, 128), np.float32)[:, 1]  # rows a head apart ("bshd"): fine
+    assert applies(qs, k32, k32, acc, 64) == here
+    assert applies(qs, k16, k16, acc, 64) == here
+    assert applies(qs, apart, apart, acc, 64) == here
+    assert not applies(qs, k32, k32, acc, 60)  # blocks not of whole tiles
+    codes = np.zeros((64, 128), np.uint8)  # 8-bit codes: the transpose widens 16 or 32
+    assert not applies(qs, codes, k32, acc, 64) and not applies(qs, k32, codes, acc, 64)
+    strided = np.zeros((64, 256), np.float32)[:, ::2]  # elements 8 bytes apart
+    assert not applies(qs, strided, k32, acc, 64) and not applies(qs, k32, strided, acc, 64)
+    q64, k64 = np.zeros((9, 128)), np.zeros((64, 128))
+    assert not applies(q64, k64, k64, q64, 64)  # float64: the plain loops
+    narrow = np.zeros((64, 40), np.float32)  # head_dim not a multiple of 16
+    assert not applies(qs[:, :40], narrow, narrow, acc[:, :40], 64)
     assert WIDTH == 2 * LANES and cpu_attention._BLOCK % WIDTH == 0
+
+
+@pytest.mark.parametrize("v_step", [1, 2])
+def test_a_prefill_chunk_over_v_rows_of_any_strides_matches_the_reference(rng, v_step):
+    # attend takes K and V of any strides: V whose elements are not adjacent must leave
+    # the matrix products for the plain V pass (it once read them as adjacent)
+    seq, dim = 150, 64
+    k = randn(rng, (1, 2, seq, dim), "float32")
+    v_store = randn(rng, (1, 2, seq, dim * v_step), "float32")
+    v = v_store[..., ::v_step]
+    q = randn(rng, (1, 8, 12, dim), "float32")
+    out = np.full(q.shape, np.nan, np.float32)
+    table = np.zeros(0, np.float32)
+    cpu_attention.attend(q, k, v, seq, np.float32(dim**-0.5), True, 0, table, out)
+    want = reference.attention(q, k.astype(np.float64), v.astype(np.float64), causal=True)
+    np.testing.assert_allclose(out, want, rtol=0, atol=3e-5)
 
 
 @pytest.mark.parametrize("dtype", list(KINDS))
@@ -64,7 +98,7 @@ def test_transpose_rows_copies_each_row_into_a_column_widened_and_nothing_else(r
     assert (kt[:, nb:] == -7.0).all()  # the columns past the rows are left alone
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, OUTER_ROWS, 7, 11, 13, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, OUTER_ROWS, 7, 9, 10, 11, 13, 128])
 @pytest.mark.parametrize("nb", [1, WIDTH - 1, WIDTH, WIDTH + 3, 64])
 @pytest.mark.parametrize("dim", [16, 48, 128])
 def test_scores_outer_matches_float64_and_the_score_tile_it_replaces(rng, rows, nb, dim):
@@ -107,7 +141,7 @@ def test_scores_outer_is_as_close_to_float64_as_the_score_tile():
 
 
 @pytest.mark.parametrize("dtype", list(KINDS))
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, OUTER_ROWS, 8, 11, 12, 13, 128])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, OUTER_ROWS, 8, 9, 10, 11, 12, 13, 128])
 @pytest.mark.parametrize(("nb", "dim"), [(1, 128), (17, 48), (64, 128), (64, 16), (40, 64)])
 def test_accumulate_outer_adds_the_same_products_in_the_same_order_as_the_pass_it_replaces(
     rng, dtype, rows, nb, dim
@@ -141,7 +175,8 @@ def test_accumulate_outer_adds_the_same_products_in_the_same_order_as_the_pass_i
     window=st.one_of(st.none(), st.integers(1, 300)),
     causal=st.booleans(),
 )
-@example(0, "float32", 4, 33, 128, 300, None, True)  # 132 rows: 22 tiles of six
+@example(0, "float32", 4, 33, 128, 300, None, True)  # chunks of 128 rows (21 tiles of six
+# and 2 rows) and of 4 (a last chunk of a decode step's size: the tile, in blocks of 64)
 @example(1, "float16", 8, 2, 128, 130, 70, True)  # 16 rows, blocks at the window's edges
 @example(2, "bfloat16", 1, 9, 48, 65, None, False)  # 9 rows: 6 + 2 + 1, a 1-position block
 def test_a_prefill_chunk_matches_the_reference_and_its_last_query_the_decode_path(

@@ -144,7 +144,8 @@ _SCRIPT = textwrap.dedent(
 
     for dtype in ("float32", "float16", "bfloat16"):
         # 48: the score tile reads whole lines, then passes (16-bit K); 40: no tile; 5
-        # and 33 queries: chunks of 20 and 132 rows, the prefill's matrix products
+        # queries: a chunk of 20 rows, the prefill's matrix products; 33: chunks of 128
+        # rows (21 tiles of six, then 2 rows) and 4 (the tile)
         for dim, n_q, seq in (
             (128, 1, 300), (64, 5, 77), (48, 1, 90), (40, 3, 50), (128, 33, 300)
         ):
@@ -166,8 +167,11 @@ _SCRIPT = textwrap.dedent(
 
     assert tile_lanes() < LANES and cpu_attention._LINE_PASSES  # both targets take it
     assert cpu_attention._AHEAD_K32 == 16  # and prefetch float32 K 16 rows ahead
-    assert cpu_attention._OUTER  # and take a prefill chunk's passes as matrix products
-    from nbkv.kernels.cpu_prefill import accumulate_outer, scores_outer, transpose_rows
+    # and take a prefill chunk's passes as matrix products
+    from nbkv.kernels.cpu_prefill import accumulate_outer, applies, scores_outer, transpose_rows
+
+    rows9, k9 = np.zeros((9, 64), np.float32), np.zeros((64, 64), np.float32)
+    assert applies(rows9, k9, k9, rows9, 64)
 
     @njit
     def whole(s, vb, acc, c0):

@@ -22,7 +22,8 @@ from .. import _config
 from .cpu import write_kv, write_kv_bshd
 from .cpu_loops import accumulate_4x8, scores_4x4, value_of
 from .cpu_math import exp32, kind16, prefetch_ahead, touch_rows, widen16
-from .cpu_prefill import accumulate_outer, outer_columns, scores_outer, transpose_rows
+from .cpu_prefill import accumulate_outer, scores_outer, transpose_rows
+from .cpu_prefill import applies as outer_applies
 from .cpu_simd import LANES, accumulate_rows, score_tile, tile_lanes, tile_ok
 from .cpu_vector import row_max
 
@@ -68,12 +69,6 @@ _LINE_PASSES = tile_lanes() < LANES
 # 16-bit K keeps _AHEAD: with K and V both at 16 rows the float16 step took 7.4-7.5 ms
 # against 6.4-6.6 at 64 (K alone at 16 not timed)
 _AHEAD_K32 = 16 if _LINE_PASSES else _AHEAD
-# a prefill chunk's score pass as a matrix product on those targets too
-# (cpu_prefill.scores_outer over K's block transposed): on the Zen 2 guest of 2026-12-06,
-# 128 query rows over 4,096 cached positions in 1.71 ms instead of 2.38 (one thread, K in
-# cache, copy included). AVX-512's tile has 16 sums in flight and keeps its own pass
-_OUTER = _LINE_PASSES
-_OUTER_WIDTH = outer_columns(tile_lanes())
 
 
 def _rows(src, table, buf):
@@ -208,9 +203,9 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
     s_buf = np.empty((size, block), q.dtype)  # a block's scores, then weights
     k_rows, v_rows = k_cache[b, kvh], v_cache[b, kvh]
     k_ahead = _k_ahead(k_cache)
-    # chunks of more than _FEW_ROWS rows score a block as a matrix product where vectors
-    # are narrower than AVX-512's: K's block copied transposed into kt (cpu_prefill)
-    outer = _OUTER and size > _FEW_ROWS and tile_ok(qs_buf, k_rows) and block % _OUTER_WIDTH == 0
+    # chunks of more than _FEW_ROWS rows take their passes as matrix products where
+    # vectors are narrower than AVX-512's (cpu_prefill): K's block copied transposed into kt
+    outer = size > _FEW_ROWS and outer_applies(qs_buf, k_rows, v_rows, acc_buf, block)
     kt = np.empty((dim, block if outer else 0), np.float32)
     for i0 in range(0, n_q, chunk):
         n_c = min(chunk, n_q - i0)
@@ -224,6 +219,7 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
         m[:] = -np.inf
         denom[:] = 0.0
         acc[:] = 0.0
+        wide = outer and rows > _FEW_ROWS  # this chunk as matrix products (cpu_prefill)
         p0 = first + i0  # the chunk's first query position, and its last
         p1 = p0 + n_c - 1
         # the positions any query of the chunk can see, and those every query sees
@@ -234,7 +230,6 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
         for j0 in range(lo, hi, block):
             j1 = min(j0 + block, hi)
             nb = j1 - j0
-            wide = outer and rows > _FEW_ROWS  # a prefill chunk, as a matrix product
             if wide:
                 transpose_rows(k_rows[j0:j1], kind, kt)
                 scores_outer(qs, kt, s, 0, nb)

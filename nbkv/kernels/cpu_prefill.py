@@ -1,6 +1,6 @@
-"""The score pass of a prefill chunk as a matrix product, for CPUs whose vectors are
+"""A prefill chunk's score and V passes as matrix products, for CPUs whose vectors are
 narrower than AVX-512's: a block of K rows copied transposed, then tiles of query rows by
-positions whose sums never leave their lanes.
+positions whose sums never leave their lanes; and the V pass six rows at a time.
 
 A decode step scores a few query rows against each K row, and
 :func:`nbkv.kernels.cpu_simd.score_tile` does that as dot products along head_dim: each sum
@@ -8,21 +8,30 @@ ends as a vector of partial sums, reduced across its lanes. Where vectors have 8
 (AVX2's 16 registers) that tile holds 4 x 2 sums, eight chains of multiply-adds: a
 multiply-add takes 5 cycles on the Zen 2 and two can start per cycle, so eight chains keep
 the units four fifths busy at best, and the reductions come on top. Measured on the Zen 2
-guest of 2026-12-06 (one thread, K in cache, 128 query rows over 4,096 positions): 55 GFLOP/s
-of the core's 108.
+guest of 2026-12-06 (one thread, K in cache, 128 query rows over 4,096 positions in
+blocks of 64): 2.37-2.38 ms, 55-57 GFLOP/s of the core's 108.
 
 A prefill chunk has 128 query rows per block of 64 positions, enough to pay for a copy
 of the block: :func:`transpose_rows` writes K's block as ``kt[d, j]`` (float32; 16-bit K
-widened on the way, ``lanes x lanes`` at a time with shuffles), and then
-:func:`scores_outer` computes ``s[r, j]`` for 6 rows by ``2 x lanes`` positions at a
-time as sums of outer products: for each ``d``, one query element per row broadcast,
-times the two vectors ``kt[d, j:j + 2 lanes]``. Twelve independent sums stay in
-registers (with two vectors and a broadcast: 15 of 16), every sum lands in its own lane,
-and nothing is reduced. Same data: 97 GFLOP/s, 78.5 with the copy.
+widened on the way, ``lanes x lanes`` at a time with shuffles: 0.08-0.09 ms of those
+2.4, against 0.33 for a plain loop), and then :func:`scores_outer` computes ``s[r, j]``
+for 6 rows by ``2 x lanes`` positions at a time (AVX2: 16; SSE or NEON: 8) as sums of
+outer products: for each ``d``, one query element per row broadcast, times the two
+vectors ``kt[d, j:j + 2 lanes]``. Twelve independent sums stay in registers (with two
+vectors and a broadcast: 15 of 16), every sum lands in its own lane, and nothing is
+reduced: 1.53-1.57 ms, with the copy 1.62-1.68.
 
-The sums run over ``d`` in order, one chain per score (the tile sums lanes first, then
-vectors): the same scores to float32 rounding, not bit for bit; the attention tests hold
-both to the float64 reference.
+Each score is summed over head_dim in spans of 16 elements (a chain of FMAs in registers
+each), the spans' sums added in memory in turn (:data:`_SPAN`): a different order from the
+tile's (16 elements per lane, then the lanes pairwise), so the same scores to float32
+rounding, not bit for bit, and as close to float64 (one chain over all of head_dim, 1.38
+ms, was 4x further off). The V pass (:func:`accumulate_outer`) is
+:func:`~nbkv.kernels.cpu_simd.accumulate_rows`' loop for 6 rows instead of 4 (12
+accumulators instead of 8): the same sums in the same order, bit for bit, 1.41 ms against
+1.70-1.73. :func:`applies` says when the attention takes these (a chunk of more than 8
+query rows: ``nbkv.kernels.cpu_attention``); the functions themselves check nothing
+(kernels' rule): their docstrings say what they need. AVX-512 targets keep the tile,
+which has 16 sums in flight (these were not measured there).
 """
 
 from __future__ import annotations
@@ -36,8 +45,10 @@ from numba.extending import intrinsic, overload
 
 from .. import _config
 from .cpu_loops import value_of
+from .cpu_simd import tile_ok
 from .cpu_simd_ir import accumulate_codegen
 from .cpu_vector import (
+    LANES,
     fma,
     load_lanes,
     row_pointer,
@@ -48,7 +59,15 @@ from .cpu_vector import (
     typed_2d,
 )
 
-__all__ = ["OUTER_ROWS", "outer_columns", "scores_outer", "transpose_rows"]
+__all__ = [
+    "OUTER_ROWS",
+    "TAKEN",
+    "accumulate_outer",
+    "applies",
+    "outer_columns",
+    "scores_outer",
+    "transpose_rows",
+]
 
 # query rows per outer-product tile: 6 rows x 2 vectors = 12 accumulators, the most that
 # fit 16 registers beside the two K vectors and the broadcast (10 chains keep a Zen 2's
@@ -154,8 +173,8 @@ def _outer_codegen(rows, lanes, context, builder, signature, args):
     )
     intp = context.get_value_type(types.intp)
     r0 = context.cast(builder, args[1], rty, types.intp)
-    c0 = context.cast(builder, args[3], cty, types.intp)
-    col = builder.add(context.cast(builder, args[5], oty, types.intp), c0)
+    c = context.cast(builder, args[3], cty, types.intp)  # the tile's first column of kt
+    col = builder.add(context.cast(builder, args[5], oty, types.intp), c)  # and of s
     f32v = ir.VectorType(ir.FloatType(), lanes)
     g = SimpleNamespace(
         builder=builder,
@@ -164,7 +183,7 @@ def _outer_codegen(rows, lanes, context, builder, signature, args):
         f32v=f32v,
         dim=cgutils.unpack_tuple(builder, qa.shape)[1],
         kstride=cgutils.unpack_tuple(builder, ta.strides)[0],
-        kbase=row_pointer(context, builder, tty, ta, intp(0), c0),  # kt[0, c]
+        kbase=row_pointer(context, builder, tty, ta, intp(0), c),  # kt[0, c]
         qrows=[  # qs[r + i, 0]
             row_pointer(context, builder, qty, qa, builder.add(r0, intp(i)), intp(0))
             for i in range(rows)
@@ -255,11 +274,13 @@ def _make_accumulate(fmt, rows):
 
 
 _LANES = tile_lanes()  # the CPU Numba compiles for decides, once per process
+# whether the attention takes these here: vectors narrower than AVX-512's
+TAKEN = _LANES < LANES
 _WIDTH = outer_columns(_LANES)  # positions per tile
 _TRANSPOSE = {fmt: _make_transpose(fmt, _LANES) for fmt in ("f32", "f16", "bf16")}
-_OUTER = [None] + [_make_outer(n, _LANES) for n in range(1, OUTER_ROWS + 1)]
+_OUTER_TILES = [None] + [_make_outer(n, _LANES) for n in range(1, OUTER_ROWS + 1)]
 _tr_f32, _tr_f16, _tr_bf16 = _TRANSPOSE["f32"], _TRANSPOSE["f16"], _TRANSPOSE["bf16"]
-_outer1, _outer2, _outer3, _outer4, _outer5, _outer6 = _OUTER[1:]
+_outer1, _outer2, _outer3, _outer4, _outer5, _outer6 = _OUTER_TILES[1:]
 
 
 def _transpose_tile(kb, j, d, kt, kind):
@@ -273,7 +294,7 @@ def _transpose_tile_impl(kb, j, d, kt, kind):
     if kb.dtype == types.float32:
         return lambda kb, j, d, kt, kind: _tr_f32(kb, j, d, kt)
     if kb.dtype != types.uint16:
-        return lambda kb, j, d, kt, kind: None  # float64 K: tile_ok is False
+        return lambda kb, j, d, kt, kind: None  # float64 or 8-bit K: applies is False
 
     def widened(kb, j, d, kt, kind):
         if kind == 0:
@@ -288,8 +309,9 @@ def _transpose_tile_impl(kb, j, d, kt, kind):
 def transpose_rows(kb, kind, kt):
     """``kt[d, j] = kb[j, d]`` for every row ``j`` of ``kb`` ([nb, head_dim]: float32, or
     the uint16 bits of float16 (``kind`` 0) or bfloat16 (1), widened). Only where
-    :func:`nbkv.kernels.cpu_simd.tile_ok` holds for (``kt``'s rows, ``kb``): head_dim a
-    multiple of 16, unit-stride rows; ``kt``: float32 [head_dim, at least nb]. Whole
+    :func:`nbkv.kernels.cpu_simd.tile_ok` holds for (the queries, ``kb``): head_dim a
+    multiple of 16, unit-stride rows (any row stride); ``kt``: float32 [head_dim, at
+    least nb], unit-stride rows. Whole
     ``lanes x lanes`` squares by shuffles, the rows past the last whole one by one.
     Mutates ``kt`` (its columns past ``nb`` are left as they were)."""
     nb, dim = kb.shape
@@ -310,8 +332,8 @@ def scores_outer(qs, kt, s, c0, nb):
     one smaller tile). qs: float32 [rows, head_dim]; kt: float32 [head_dim, at least nb
     rounded up to whole tiles] (:func:`transpose_rows`); s: float32, rows of unit stride,
     at least ``c0`` + that many columns: the columns between ``nb`` and the tiles' end get
-    the scores of whatever ``kt`` holds there (finite values give finite scores, which
-    nothing reads). Mutates ``s``."""
+    the scores of whatever ``kt`` holds there (stale or unset: anything, NaN included,
+    which nothing reads). head_dim a multiple of 16. Mutates ``s``."""
     rows = qs.shape[0]
     width = _WIDTH
     cols = (nb + width - 1) // width * width
@@ -334,10 +356,10 @@ def _outer_tile(qs, r, kt, c, s, col, n):
 @overload(_outer_tile, inline="always", jit_options={"cache": True})
 def _outer_tile_impl(qs, r, kt, c, s, col, n):
     if qs.dtype != types.float32:
-        return lambda qs, r, kt, c, s, col, n: None  # float64 queries: tile_ok is False
+        return lambda qs, r, kt, c, s, col, n: None  # float64 queries: applies is False
 
     def by_rows(qs, r, kt, c, s, col, n):
-        if n == 6:
+        if n == OUTER_ROWS:
             _outer6(qs, r, kt, c, s, col)
         elif n == 5:
             _outer5(qs, r, kt, c, s, col)
@@ -387,7 +409,7 @@ _ACC_BY_ROWS = {fmt: _acc_by_rows(fmt) for fmt in ("f32", "f16", "bf16")}
 @overload(_acc_tile, inline="always", jit_options={"cache": True})
 def _acc_tile_impl(s, r, vb, nb, acc, c0, kind, n):
     if acc.dtype != types.float32 or vb.dtype not in (types.float32, types.uint16):
-        return lambda s, r, vb, nb, acc, c0, kind, n: None  # float64: tile_ok is False
+        return lambda s, r, vb, nb, acc, c0, kind, n: None  # float64, 8-bit: applies is False
     if vb.dtype == types.float32:
         f32 = _ACC_BY_ROWS["f32"]
         return lambda s, r, vb, nb, acc, c0, kind, n: f32(s, r, vb, nb, acc, c0, n)
@@ -408,10 +430,12 @@ def accumulate_outer(s, vb, acc, c0, kind):
     V pass of a prefill chunk, :data:`OUTER_ROWS` rows at a time (each V vector loaded
     feeds six rows; 6 x 2 accumulators), the rows left over by 4, 2 and 1. ``vb``: float32
     rows, or the uint16 bits of float16 (``kind`` 0) or bfloat16 (1); only where
-    :func:`nbkv.kernels.cpu_simd.tile_ok` holds for (``acc``, ``vb``) and ``vb`` has rows.
-    Mutates ``acc``."""
+    :func:`nbkv.kernels.cpu_simd.tile_ok` holds for (``acc``, ``vb``); none when ``vb``
+    has no rows. Mutates ``acc``."""
     rows = acc.shape[0]
     nb = vb.shape[0]
+    if nb == 0:  # the intrinsics' loop adds one position before it tests
+        return
     r = 0
     while r + OUTER_ROWS <= rows:
         _acc_tile(s, r, vb, nb, acc, c0, kind, OUTER_ROWS)
@@ -420,3 +444,21 @@ def accumulate_outer(s, vb, acc, c0, kind):
         if r + n <= rows:
             _acc_tile(s, r, vb, nb, acc, c0, kind, n)
             r += n
+
+
+@njit(cache=True)
+def applies(qs, k_rows, v_rows, acc, block):
+    """Whether these passes can take a chunk with query rows ``qs`` and accumulators
+    ``acc`` over blocks of ``block`` positions of ``k_rows`` and ``v_rows``: on targets
+    narrower than AVX-512 (:data:`TAKEN`), float32 or 16-bit K and V that
+    :func:`~nbkv.kernels.cpu_simd.tile_ok` takes (float32 queries, head_dim a multiple of
+    16, unit-stride rows), and blocks of whole tiles (the score buffer and ``kt``, each
+    ``block`` wide, get whole tiles written)."""
+    return (
+        TAKEN
+        and k_rows.itemsize >= 2  # not 8-bit codes: the transpose widens 16 and 32 bits
+        and v_rows.itemsize >= 2
+        and tile_ok(qs, k_rows)
+        and tile_ok(acc, v_rows)
+        and block % _WIDTH == 0
+    )
