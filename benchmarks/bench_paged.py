@@ -1,6 +1,6 @@
 """Paged KV cache: the memory it saves, and what paging costs attention and the write.
 
-Three parts, each against nbkv's contiguous cache in the same run:
+Four parts, each against nbkv's contiguous cache in the same run:
 
 1. **Memory.** ``REQUESTS`` request lengths (prompt + output) drawn from a long-tailed
    distribution (lognormal, median ``MEDIAN`` positions, capped at ``MAX_LEN``; seeded),
@@ -25,7 +25,15 @@ Three parts, each against nbkv's contiguous cache in the same run:
    K+V is 256 MiB per copy, 8x a 32 MiB L3: every call reads cold memory. Target: paged
    at block 16 at least 0.9x the contiguous throughput.
 
-3. **The write of a decode step** (8 sequences, one position each, 8 KV heads x 128):
+3. **Prefill attention**: one sequence of 4096 positions whose last 512 are new (the
+   prefill chunk of ``bench_attention.py``; ``--quick``: 128 of 1024), the same heads
+   and dtype: ``nbkv.paged_attention`` on packed pools ("nhd" and "hnd" at block 16,
+   "nhd" at block 256) against ``nbkv.attention`` of the 512 queries on a
+   ``LayerKVCache``, checked against the reference and timed as part 2. Bound by
+   arithmetic, not memory (K/V 32 MiB). No target: the paged kernel's prefill should
+   come near the contiguous kernel's.
+
+4. **The write of a decode step** (8 sequences, one position each, 8 KV heads x 128):
    ``PagedKVCache.write`` (its ``write_paged`` kernel through the slot mapping) and the
    ``reserve`` that makes its step, against ``LayerKVCache.append`` of the same rows.
 
@@ -62,6 +70,8 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LARGE_BLOCKS = (64, 256)  # attention on packed pools of these block sizes too
 SEQS, HEADS, KV_HEADS, DIM, BLOCK = 8, 32, 8, 128, 16
 SEQ_LEN = {False: 4096, True: 1024}  # full, quick
+PREFILL_NEW = {False: 512, True: 128}  # part 3's new positions (queries)
+PREFILL_ROUNDS = {False: 12, True: 3}
 ROUNDS = {False: 40, True: 6}
 WRITE_ROUNDS = {False: 400, True: 50}
 NOW = time.perf_counter_ns
@@ -150,12 +160,20 @@ def attention_part(quick: bool, rng) -> dict:
         )
     result = timed(calls, ROUNDS[quick], rng)
     nbytes = 2 * K.nbytes
-    base = float(np.median(result["contiguous attention"]["ns"]))
     print(
         f"\ndecode attention: {SEQS} sequences x {seq} positions, {HEADS}/{KV_HEADS} heads, "
         f"head_dim {DIM}, float32, K+V {nbytes / 2**20:.0f} MiB; block size {BLOCK} "
         "unless named"
     )
+    report(result, "contiguous attention", nbytes)
+    return {"seq_len": seq, "bytes": nbytes, "methods": result}
+
+
+def report(result: dict, base_name: str, nbytes: int | None) -> None:
+    """Medians, percentiles, K/V read per second (``nbytes`` per call; None: not shown)
+    and throughput against ``base_name``, printed and added to ``result`` (its raw times
+    dropped)."""
+    base = float(np.median(result[base_name]["ns"]))
     print(
         f"  {'method':34s} {'median ms':>10s} {'p10':>8s} {'p90':>8s} {'GB/s':>6s} "
         f"{'throughput':>11s} {'disturbed':>9s}"
@@ -167,15 +185,52 @@ def attention_part(quick: bool, rng) -> dict:
             median_ms=med / 1e6,
             p10_ms=float(np.percentile(ns, 10)) / 1e6,
             p90_ms=float(np.percentile(ns, 90)) / 1e6,
-            gb_s=nbytes / med,
             throughput_vs_contiguous=base / med,
         )
+        gb_s = "-"
+        if nbytes is not None:
+            r["gb_s"] = nbytes / med
+            gb_s = f"{r['gb_s']:.1f}"
         print(
             f"  {name:34s} {r['median_ms']:10.2f} {r['p10_ms']:8.2f} {r['p90_ms']:8.2f} "
-            f"{r['gb_s']:6.1f} {r['throughput_vs_contiguous']:10.2f}x {r['disturbed']:9.0%}"
+            f"{gb_s:>6s} {r['throughput_vs_contiguous']:10.2f}x {r['disturbed']:9.0%}"
         )
         del r["ns"]
-    return {"seq_len": seq, "bytes": nbytes, "methods": result}
+
+
+def prefill_part(quick: bool, rng) -> dict:
+    seq, new = SEQ_LEN[quick], PREFILL_NEW[quick]
+    K = rng.standard_normal((1, KV_HEADS, seq, DIM), dtype=np.float32)
+    V = rng.standard_normal((1, KV_HEADS, seq, DIM), dtype=np.float32)
+    q_dense = rng.standard_normal((1, HEADS, new, DIM), dtype=np.float32)
+    q_packed = np.ascontiguousarray(q_dense[0].transpose(1, 0, 2))  # [new, heads, dim]
+    dense = nbkv.LayerKVCache(seq, batch=1, num_kv_heads=KV_HEADS, head_dim=DIM)
+    dense.append(K, V)
+    paged = {
+        f"paged {layout}, block {bs}": paged_copy(K, V, bs, layout=layout, new=new)
+        for layout, bs in (("nhd", BLOCK), ("hnd", BLOCK), ("nhd", 256))
+    }
+    want = reference.attention(q_dense.astype(np.float64), K, V)[0].transpose(1, 0, 2)
+    got = {"contiguous attention": nbkv.attention(q_dense, dense)[0].transpose(1, 0, 2)}
+    for name, (cache, step) in paged.items():
+        got[name] = nbkv.paged_attention(q_packed, cache, 0, step)
+    for name, out in got.items():
+        err = float(np.abs(out - want).max())
+        assert err < 1e-4, (name, err)
+    out_dense = np.empty_like(q_dense)
+    outs = {name: np.empty_like(q_packed) for name in paged}
+    calls = {"contiguous attention": lambda: nbkv.attention(q_dense, dense, out=out_dense)}
+    for name, (cache, step) in paged.items():
+        calls[name] = lambda c=cache, s=step, o=outs[name]: nbkv.paged_attention(
+            q_packed, c, 0, s, out=o
+        )
+    result = timed(calls, PREFILL_ROUNDS[quick], rng)
+    print(
+        f"\nprefill attention: 1 sequence, its last {new} of {seq} positions new, "
+        f"{HEADS}/{KV_HEADS} heads, head_dim {DIM}, float32; packed pools"
+    )
+    report(result, "contiguous attention", None)  # bound by arithmetic: no GB/s
+    return {"seq_len": seq, "new": new, "methods": result}
 
 
 def write_part(quick: bool, rng) -> dict:
@@ -231,6 +286,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     results = {"memory": memory_part()}
     results["attention"] = attention_part(args.quick, rng)
+    # its own generator: the write part's inputs stay those of the runs before it
+    results["prefill"] = prefill_part(args.quick, np.random.default_rng(1))
     results["write"] = write_part(args.quick, rng)
     mem16 = results["memory"]["paged_over_data"][16]
     packed = results["attention"]["methods"]["paged nhd, packed"]["throughput_vs_contiguous"]

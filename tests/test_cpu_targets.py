@@ -159,6 +159,22 @@ _SCRIPT = textwrap.dedent(
             got = nbkv.attention(q, cache)
             err = np.abs(got - want).max()
             assert err < 2e-5, (dtype, dim, n_q, seq, err)
+    # a paged prefill: chunks of 64 queries (256 rows: tiles of six and 4 left over) and
+    # 9 (36 rows), each head's positions gathered from pages of 5 in steps of 128 (one
+    # starting mid-page where the window cuts in), in both pool layouts
+    from nbkv.tutorial.paging import paged_copy
+
+    for layout, dtype, window in (("nhd", "float32", 150), ("hnd", "float16", None)):
+        k, v = (rng.standard_normal((1, 2, 300, 64)).astype(resolve_dtype(dtype)) for _ in "kv")
+        paged, step = paged_copy(k, v, 5, layout=layout, new=73)
+        q = rng.standard_normal((73, 8, 64)).astype(np.float32)
+        want = reference.attention(
+            q.transpose(1, 0, 2)[None], k.astype(np.float64), v.astype(np.float64),
+            window=window,
+        )[0].transpose(1, 0, 2)  # fmt: skip
+        got = nbkv.paged_attention(q, paged, 0, step, window=window)
+        err = np.abs(got - want).max()
+        assert err < 2e-5, (layout, dtype, err)
     # narrower vectors than AVX-512's: the float32 V pass goes in pieces, each read in
     # order first (touch_rows). Against the whole block in one pass of accumulate_rows
     # (the path it replaces): the same multiply-adds in the same order, bit for bit, for

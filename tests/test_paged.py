@@ -856,3 +856,74 @@ def test_a_hand_launch_widens_every_pool_form_with_its_table(rng, form):
     K, V = (a.astype(np.float64).transpose(1, 0, 2)[None] for a in (K, V))
     want = reference.attention(q.astype(np.float64).transpose(1, 0, 2)[None], K, V)
     np.testing.assert_allclose(out.copy_to_host(), want[0].transpose(1, 0, 2), atol=2e-6, rtol=0)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU kernels' prefill path")
+@given(
+    layout=st.sampled_from(["nhd", "hnd"]),
+    dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
+    bs=st.one_of(st.integers(1, 9), st.sampled_from([16, 17, 40, 128])),
+    dim=st.sampled_from([16, 64, 128]),
+    held=st.integers(0, 300),
+    group=st.sampled_from([3, 4, 5]),  # rows left over past tiles of 6: 1 to 5
+    new=st.integers(3, 70),  # 9 to 350 query rows: past QUERY_CHUNK (64) queries
+    window=st.one_of(st.just(0), st.integers(1, 150)),
+    splits=st.integers(1, 3),
+    seed=st.integers(0, 2**31),
+)
+def test_a_paged_prefill_equals_its_queries_one_by_one_and_the_reference(
+    layout, dtype, bs, dim, group, new, held, window, splits, seed
+):
+    """A prefill's query chunks (more than 8 query rows: where ``cpu_prefill`` applies,
+    each head's positions gathered and its passes taken as matrix products) against each
+    query alone (a decode step's 4 rows: the page-by-page tiles they replace) over the
+    same pages, and both against float64; every output row written. On AVX-512 targets
+    the tiles take both (``cpu_prefill.TAKEN``), and this holds them to each other and the
+    reference still; the AVX2 and SSE2 subprocesses of ``tests/test_cpu_targets.py`` run
+    a paged prefill through the gathered path there."""
+    from nbkv.dtypes import widen_table
+    from nbkv.kernels import paged_attend, paged_attend_hnd
+
+    from conftest import dtype_of
+
+    dt = dtype_of(dtype)
+    rng = np.random.default_rng(seed)
+    kvh, seq = 2, held + new
+    K, V = (rng.standard_normal((seq, kvh, dim)).astype(dt) for _ in range(2))
+    n_pages = -(-seq // bs)
+    pages = rng.permutation(n_pages + 2)[:n_pages].astype(np.int32)
+    pools = []
+    for X in (K, V):
+        bits = X.view(np.uint16) if dt.itemsize == 2 else X
+        pool = np.full((n_pages + 2, bs, kvh, dim), 0x7FC0 if dt.itemsize == 2 else np.nan,
+                       bits.dtype)  # fmt: skip
+        for i, p in enumerate(pages):
+            rows = bits[i * bs : (i + 1) * bs]
+            pool[p, : len(rows)] = rows
+        pools.append(pool if layout == "nhd" else np.ascontiguousarray(pool.transpose(0, 2, 1, 3)))
+    attend = paged_attend if layout == "nhd" else paged_attend_hnd
+    table = widen_table(dt) if dt.itemsize == 2 else None
+    q = rng.standard_normal((new, kvh * group, dim)).astype(np.float32)
+    scale = float(dim) ** -0.5
+    i32 = np.int32
+    kv_indptr = np.array([0, n_pages], i32)
+
+    def run(qs, seq_len):
+        out = np.full_like(qs, np.nan)
+        attend(qs, *pools, np.array([0, len(qs)], i32), kv_indptr, pages,
+               np.array([seq_len], i32), scale, window, out, table, splits)  # fmt: skip
+        return out
+
+    chunk = run(q, seq)
+    assert not np.isnan(chunk).any()  # every row written
+    want = reference.attention(
+        q.transpose(1, 0, 2)[None].astype(np.float64),
+        K.astype(np.float64).transpose(1, 0, 2)[None],
+        V.astype(np.float64).transpose(1, 0, 2)[None],
+        scale=scale,
+        window=window or None,
+    )[0].transpose(1, 0, 2)
+    np.testing.assert_allclose(chunk, want, atol=3e-5, rtol=0)
+    for i in range(new):  # each query alone (at most 5 rows: the tiles), ending there
+        alone = run(q[i : i + 1], held + i + 1)
+        np.testing.assert_allclose(chunk[i], alone[0], atol=2e-5, rtol=0)

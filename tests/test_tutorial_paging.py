@@ -61,6 +61,25 @@ def test_paged_copy_holds_the_batch_and_ends_with_a_decode_step(layout, grow_by)
     np.testing.assert_allclose(nbkv.paged_attention(q, cache, 0, step), want, atol=1e-6)
 
 
+@pytest.mark.parametrize("grow_by", [None, 3])
+def test_paged_copy_can_end_with_a_prefill_step(grow_by):
+    rng = np.random.default_rng(1)
+    K = rng.standard_normal((2, 2, 11, 4)).astype(np.float32)
+    V = rng.standard_normal((2, 2, 11, 4)).astype(np.float32)
+    cache, step = paging.paged_copy(K, V, 4, grow_by=grow_by, new=5)
+    assert step.host("q_indptr").tolist() == [0, 5, 10] and step.seq_lens.tolist() == [11, 11]
+    for s in range(2):
+        np.testing.assert_array_equal(cache.get_kv(0, s)[0], K[s])
+        np.testing.assert_array_equal(cache.get_kv(0, s)[1], V[s])
+    q = rng.standard_normal((10, 4, 4)).astype(np.float32)
+    want = nbkv.attention(q.reshape(2, 5, 4, 4).transpose(0, 2, 1, 3), (K, V))
+    got = nbkv.paged_attention(q, cache, 0, step).reshape(2, 5, 4, 4).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    for bad in (0, 12):
+        with pytest.raises(nbkv.InvalidArgumentError, match=f"new must be 1 to seq_len.*{bad}"):
+            paging.paged_copy(K, V, 4, new=bad)
+
+
 def test_request_lengths_are_checked():
     with pytest.raises(nbkv.InvalidArgumentError):
         paging.request_lengths(0, median=10, sigma=1.0, cap=5)

@@ -35,8 +35,9 @@ from numba import njit, prange
 from numba.extending import overload
 
 from .. import _config
-from .cpu_attention import _accumulate, _mask, _online_softmax, _rows, _scores
+from .cpu_attention import _FEW_ROWS, _accumulate, _mask, _online_softmax, _rows, _scores
 from .cpu_math import kind16
+from .cpu_paged_prefill import outer_ok, outer_positions
 from .cpu_simd import tile_ok
 
 __all__ = [
@@ -51,9 +52,8 @@ __all__ = [
 
 # queries per task: a long prefill is cut into chunks of them, which run in parallel
 QUERY_CHUNK = 64
-# positions ahead whose K/V rows are prefetched: as a position's rows are read, those of
-# the position this many on are requested, wherever their page lies (the hardware
-# prefetchers follow a stream of addresses and lose it at every page). Decode
+# positions ahead whose K/V rows are prefetched as a position's are read, wherever their
+# page lies (the hardware prefetchers lose a stream of addresses at every page). Decode
 # over 8 x 4,096 positions at block 16 (2 cores, Zen 4): 0.64x the contiguous kernel's
 # throughput without, 0.87-0.91x with 32 ("nhd"); 16 and 64 did no better (benchmarks/)
 PREFETCH_POSITIONS = 32
@@ -280,7 +280,8 @@ def _paged_task(
     piece of a large one), so that it reads the pool in memory order (one task per head
     read a page in pieces a head apart: 0.8x the contiguous kernel's speed at block size
     16, measured), and prefetches ``PREFETCH_POSITIONS`` ahead (see there). A chunk of
-    queries sees what its last query sees: the sequence as if it ended there."""
+    queries sees what its last query sees: the sequence as if it ended there. A prefill's
+    chunk goes as :mod:`nbkv.kernels.cpu_paged_prefill` says, where that applies."""
     num_heads, dim = q.shape[1], q.shape[2]
     heads = num_kv_heads
     group = num_heads // heads
@@ -301,15 +302,7 @@ def _paged_task(
     per = -(-(seq_len - lo) // splits)
     start = lo + sp * per
     end = min(seq_len, start + per)
-    qs = np.empty((heads, rows, dim), q.dtype)  # each group's queries, scale folded in
-    for h in range(heads):
-        for g in range(group):
-            for i in range(n_q):
-                for d in range(dim):
-                    qs[h, g * n_q + i, d] = q[q0 + i, h * group + g, d] * scale
-    m = np.full((heads, rows), -np.inf, q.dtype)
-    denom = np.zeros((heads, rows), q.dtype)
-    acc = np.zeros((heads, rows, dim), q.dtype)
+    qs, m, denom, acc = _task_state(q, q0, n_q, heads, scale)
     s = np.empty((heads, rows, _CHUNK), q.dtype)
     # 16-bit rows widened for _scores_heads ("nhd" pools only: "hnd" ones need none)
     buf = np.empty((min(bs, _CHUNK) if k_pages.ndim == 4 else 0, heads, dim), q.dtype)
@@ -317,7 +310,11 @@ def _paged_task(
     page_rows = heads * bs if k_pages.ndim == 3 else bs  # a page, in rows of a head
     most = bs if k_pages.ndim == 3 else _NHD_RUN  # positions per run (_segment)
     kind = -1 if table is None else kind16(table)  # 16-bit pools: float16 0, bfloat16 1
-    j0 = start
+    prefill = start < end and rows > _FEW_ROWS and outer_ok(qs, k_pages, v_pages, acc, s, bs)
+    if prefill:  # each head's positions gathered, as matrix products (cpu_paged_prefill)
+        outer_positions(qs, k_pages, v_pages, pages, bs, start, end, first, n_q, all_lo,
+                        window, kind, s, m, denom, acc)  # fmt: skip
+    j0 = end if prefill else start
     while j0 < end:
         # a chunk of up to _CHUNK positions, page by page: score each page's rows into
         # their columns of s, one softmax update per head, then the V rows
@@ -345,6 +342,25 @@ def _paged_task(
             part_stats[token, qh, sp, 1] = denom[h, r]
             for d in range(dim):
                 part_acc[token, qh, sp, d] = acc[h, r, d]
+
+
+@njit(cache=True)
+def _task_state(q, q0, n_q, heads, scale):
+    """Per KV head, a task's query rows ``qs`` (row ``g * n_q + i``: query ``q0 + i`` of
+    the head's ``g``-th query head, scaled), maxima (-inf), sums and accumulators (0)."""
+    num_heads, dim = q.shape[1], q.shape[2]
+    group = num_heads // heads
+    rows = group * n_q
+    qs = np.empty((heads, rows, dim), q.dtype)
+    for h in range(heads):
+        for g in range(group):
+            for i in range(n_q):
+                for d in range(dim):
+                    qs[h, g * n_q + i, d] = q[q0 + i, h * group + g, d] * scale
+    m = np.full((heads, rows), -np.inf, q.dtype)
+    denom = np.zeros((heads, rows), q.dtype)
+    acc = np.zeros((heads, rows, dim), q.dtype)
+    return qs, m, denom, acc
 
 
 @njit(cache=True, error_model="numpy")

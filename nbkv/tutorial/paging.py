@@ -146,15 +146,16 @@ def reserved_over_data(lengths: np.ndarray, block_sizes) -> dict:
 
 
 def paged_copy(K: np.ndarray, V: np.ndarray, block_size: int = 16, *, grow_by: int | None = None,
-               layout: str = "nhd"):  # fmt: skip
-    """A one-layer ``PagedKVCache`` holding the K/V of a contiguous batch, and the decode
-    step of its last position: ``(cache, step)``, ready for ``nbkv.paged_attention`` with
-    one query per sequence.
+               layout: str = "nhd", new: int = 1):  # fmt: skip
+    """A one-layer ``PagedKVCache`` holding the K/V of a contiguous batch, and the step of
+    its last ``new`` positions: ``(cache, step)``, ready for ``nbkv.paged_attention`` with
+    ``new`` queries per sequence (1: a decode step; more: the end of a prefill).
 
     K, V: ``[seqs, num_kv_heads, seq_len, head_dim]`` float arrays ("bhsd", as a
     ``LayerKVCache`` holds them). ``grow_by``: the sequences grow together this many
     positions per step (``block_size`` interleaves their blocks in the pool, as decoding
-    sequences leave them); None: each is prefilled in one step (its blocks consecutive).
+    sequences leave them) before the last step; None: each is prefilled in one step (its
+    blocks consecutive). ``new``: 1 to ``seq_len``.
 
     >>> import numpy as np
     >>> K = np.arange(2 * 1 * 5 * 2, dtype=np.float32).reshape(2, 1, 5, 2)
@@ -163,10 +164,14 @@ def paged_copy(K: np.ndarray, V: np.ndarray, block_size: int = 16, *, grow_by: i
     ([0, 2, 4], [1, 3, 5], [5, 5])
     >>> bool((cache.get_kv(0, 1)[0] == K[1]).all())
     True
+    >>> paged_copy(K, -K, 2, new=3)[1].q_indptr.tolist()  # three new positions each
+    [0, 3, 6]
     """
     from ..paged import PagedKVCache
 
     seqs, kv_heads, seq_len, head_dim = K.shape
+    if not 1 <= new <= seq_len:
+        raise InvalidArgumentError(f"new must be 1 to seq_len ({seq_len}), got {new!r}")
     cache = PagedKVCache(
         seqs * -(-seq_len // block_size), block_size, num_kv_heads=kv_heads,
         head_dim=head_dim, dtype=K.dtype, layout=layout,
@@ -178,11 +183,12 @@ def paged_copy(K: np.ndarray, V: np.ndarray, block_size: int = 16, *, grow_by: i
             -1, kv_heads, head_dim
         )
 
-    chunk = grow_by or max(seq_len - 1, 1)
-    for at in range(0, seq_len - 1, chunk):
-        n = min(chunk, seq_len - 1 - at)
+    held = seq_len - new  # positions written before the last step
+    chunk = grow_by or max(held, 1)
+    for at in range(0, held, chunk):
+        n = min(chunk, held - at)
         step = cache.reserve(dict.fromkeys(sids, n))
         cache.write(0, step, rows(K, at, at + n), rows(V, at, at + n))
-    step = cache.reserve(dict.fromkeys(sids, 1))
-    cache.write(0, step, rows(K, seq_len - 1, seq_len), rows(V, seq_len - 1, seq_len))
+    step = cache.reserve(dict.fromkeys(sids, new))
+    cache.write(0, step, rows(K, held, seq_len), rows(V, held, seq_len))
     return cache, step
