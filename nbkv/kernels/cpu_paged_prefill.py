@@ -5,8 +5,9 @@ positions, gathered from their pages into two small buffers first.
 Scored page by page through the decode step's tiles (``nbkv.kernels.cpu_paged``'s path
 for a few rows), a prefill of 512 queries over 4,096 positions took 413 ms ("nhd", block
 16) and 315 ("hnd") on the Zen 2 guest (AVX2) of 2026-12-06, against the contiguous
-kernel's 214: none of the contiguous prefill's work reached it. Gathered, 235 ms in either
-layout (``benchmarks/bench_paged.py``, "The prefill part" in ``benchmarks/README.md``).
+kernel's 217: none of the contiguous prefill's work reached it. Gathered, 233-234 ms in
+either layout, against 219 (``benchmarks/bench_paged.py``, "The prefill part" in
+``benchmarks/README.md``).
 The copy is small beside the arithmetic: a step's 128 positions of one head are 64 KiB
 of K and of V at head_dim 128, against 4 x 128 FLOP per position and query row, and 256
 query rows per task at group 4. Where :func:`cpu_prefill.applies` does not hold
