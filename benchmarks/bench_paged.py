@@ -125,6 +125,27 @@ def timed(calls: dict, rounds: int, rng) -> dict:
     return {m: {"ns": times[m], "disturbed": disturbed[m] / rounds} for m in calls}
 
 
+def checked_calls(q_dense, dense, q_packed, paged: dict, want, packed) -> dict:
+    """The calls to time: ``nbkv.attention`` of ``q_dense`` over the contiguous cache and
+    ``nbkv.paged_attention`` of ``q_packed`` over each ``(cache, step)`` of ``paged``, each
+    checked first against ``want`` (float64, [tokens, heads, head_dim]; ``packed`` puts the
+    contiguous output in that form). Each writes into its own ``out``."""
+    got = {"contiguous attention": packed(nbkv.attention(q_dense, dense))}
+    for name, (cache, step) in paged.items():
+        got[name] = nbkv.paged_attention(q_packed, cache, 0, step)
+    for name, out in got.items():
+        err = float(np.abs(out - want).max())
+        assert err < 1e-4, (name, err)
+    out_dense = np.empty_like(q_dense)
+    outs = {name: np.empty_like(q_packed) for name in paged}
+    calls = {"contiguous attention": lambda: nbkv.attention(q_dense, dense, out=out_dense)}
+    for name, (cache, step) in paged.items():
+        calls[name] = lambda c=cache, s=step, o=outs[name]: nbkv.paged_attention(
+            q_packed, c, 0, s, out=o
+        )
+    return calls
+
+
 def attention_part(quick: bool, rng) -> dict:
     seq = SEQ_LEN[quick]
     K = rng.standard_normal((SEQS, KV_HEADS, seq, DIM), dtype=np.float32)
@@ -145,19 +166,7 @@ def attention_part(quick: bool, rng) -> dict:
             paged[f"paged {layout}, packed, block {bs}"] = paged_copy(K, V, bs, layout=layout)
     # correctness first, on the benchmark's own data
     want = reference.attention(q_dense.astype(np.float64), K, V)[:, :, 0]
-    got = {"contiguous attention": nbkv.attention(q_dense, dense)[:, :, 0]}
-    for name, (cache, step) in paged.items():
-        got[name] = nbkv.paged_attention(q_packed, cache, 0, step)
-    for name, out in got.items():
-        err = float(np.abs(out - want).max())
-        assert err < 1e-4, (name, err)
-    out_dense = np.empty_like(q_dense)
-    outs = {name: np.empty_like(q_packed) for name in paged}
-    calls = {"contiguous attention": lambda: nbkv.attention(q_dense, dense, out=out_dense)}
-    for name, (cache, step) in paged.items():
-        calls[name] = lambda c=cache, s=step, o=outs[name]: nbkv.paged_attention(
-            q_packed, c, 0, s, out=o
-        )
+    calls = checked_calls(q_dense, dense, q_packed, paged, want, lambda x: x[:, :, 0])
     result = timed(calls, ROUNDS[quick], rng)
     nbytes = 2 * K.nbytes
     print(
@@ -211,19 +220,7 @@ def prefill_part(quick: bool, rng) -> dict:
         for layout, bs in (("nhd", BLOCK), ("hnd", BLOCK), ("nhd", 256))
     }
     want = reference.attention(q_dense.astype(np.float64), K, V)[0].transpose(1, 0, 2)
-    got = {"contiguous attention": nbkv.attention(q_dense, dense)[0].transpose(1, 0, 2)}
-    for name, (cache, step) in paged.items():
-        got[name] = nbkv.paged_attention(q_packed, cache, 0, step)
-    for name, out in got.items():
-        err = float(np.abs(out - want).max())
-        assert err < 1e-4, (name, err)
-    out_dense = np.empty_like(q_dense)
-    outs = {name: np.empty_like(q_packed) for name in paged}
-    calls = {"contiguous attention": lambda: nbkv.attention(q_dense, dense, out=out_dense)}
-    for name, (cache, step) in paged.items():
-        calls[name] = lambda c=cache, s=step, o=outs[name]: nbkv.paged_attention(
-            q_packed, c, 0, s, out=o
-        )
+    calls = checked_calls(q_dense, dense, q_packed, paged, want, lambda x: x[0].transpose(1, 0, 2))
     result = timed(calls, PREFILL_ROUNDS[quick], rng)
     print(
         f"\nprefill attention: 1 sequence, its last {new} of {seq} positions new, "
