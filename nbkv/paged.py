@@ -217,7 +217,9 @@ class PagedKVCache(PagedReserveMixin, PagedPrefixMixin):
         )
 
     def _seq(self, sid: Any) -> _Seq:
-        if isinstance(sid, (bool, np.bool_)) or not isinstance(sid, numbers.Integral):
+        if type(sid) is not int and (
+            isinstance(sid, (bool, np.bool_)) or not isinstance(sid, numbers.Integral)
+        ):
             raise ArgumentTypeError(
                 f"a sequence id is an int, got {type(sid).__name__} {sid!r:.40}"
             )
@@ -240,7 +242,7 @@ class PagedKVCache(PagedReserveMixin, PagedPrefixMixin):
 
     def block_table(self, sid: int) -> np.ndarray:
         """Its block ids in position order (int32, a copy): ``ceil(seq_len / block_size)``."""
-        return np.array(self._seq(sid).blocks, np.int32)
+        return self._seq(sid).blocks.copy()
 
     def block_refs(self) -> np.ndarray:
         """Every block's reference count (int32 ``[num_blocks]``, a copy): how many
@@ -267,7 +269,7 @@ class PagedKVCache(PagedReserveMixin, PagedPrefixMixin):
         pool, bs = self._pool, self._block_size
         fill: dict[int, int] = {}
         for seq in self._seqs.values():
-            for i, b in enumerate(seq.blocks):
+            for i, b in enumerate(seq.blocks.tolist()):
                 here = min(bs, seq.seq_len - i * bs)
                 fill[b] = max(fill.get(b, 0), here)
         used = int(np.count_nonzero(pool.refs))
@@ -304,7 +306,7 @@ class PagedKVCache(PagedReserveMixin, PagedPrefixMixin):
         sid = self._next_id
         self._next_id += 1
         tokens_held = toks[:held].copy() if toks is not None else np.empty(0, np.int32)
-        self._seqs[sid] = _Seq(matched, held, tokens_held, keys)
+        self._seqs[sid] = _Seq(np.array(matched, np.int32), held, tokens_held, keys)
         self._changed()
         return sid
 
@@ -339,11 +341,11 @@ class PagedKVCache(PagedReserveMixin, PagedPrefixMixin):
     def fork(self, sid: int) -> int:
         """A new sequence sharing every block of ``sid`` (no copy until one is written)."""
         seq = self._seq(sid)
-        for b in seq.blocks:
+        for b in seq.blocks.tolist():
             self._pool.share(b)
         new = self._next_id
         self._next_id += 1
-        self._seqs[new] = _Seq(list(seq.blocks), seq.seq_len, seq.tokens.copy(), list(seq.keys))
+        self._seqs[new] = _Seq(seq.blocks, seq.seq_len, seq.tokens.copy(), list(seq.keys))
         self._changed()
         return new
 
@@ -354,8 +356,8 @@ class PagedKVCache(PagedReserveMixin, PagedPrefixMixin):
         dropped = min(nonnegative_int(n, "n"), seq.seq_len)
         new_len = seq.seq_len - dropped
         keep = -(-new_len // self._block_size)
-        self._pool.release(seq.blocks[keep:])
-        del seq.blocks[keep:]
+        self._pool.release(seq.blocks[keep:].tolist())
+        seq.blocks = seq.blocks[:keep].copy()
         seq.seq_len = new_len
         seq.tokens = seq.tokens[: min(new_len, len(seq.tokens))]
         del seq.keys[new_len // self._block_size :]
@@ -365,7 +367,7 @@ class PagedKVCache(PagedReserveMixin, PagedPrefixMixin):
     def free(self, sid: int) -> None:
         """Release every block of ``sid`` and forget it (its id is never reused)."""
         seq = self._seq(sid)
-        self._pool.release(seq.blocks)
+        self._pool.release(seq.blocks.tolist())
         del self._seqs[int(sid)]
         self._changed()
 
@@ -377,8 +379,8 @@ class PagedKVCache(PagedReserveMixin, PagedPrefixMixin):
         if seq.seq_len == 0:
             return None
         be = self._backend
-        blocks = [be.to_host(self._k[i][b], self._dtype) for b in seq.blocks]
-        vblocks = [be.to_host(self._v[i][b], self._dtype) for b in seq.blocks]
+        blocks = [be.to_host(self._k[i][b], self._dtype) for b in seq.blocks.tolist()]
+        vblocks = [be.to_host(self._v[i][b], self._dtype) for b in seq.blocks.tolist()]
         axis = 0 if self._layout == "nhd" else 1  # the positions' axis inside a block
         k = np.concatenate(blocks, axis=axis)
         v = np.concatenate(vblocks, axis=axis)

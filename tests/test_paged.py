@@ -54,6 +54,31 @@ def write_step(cache, step, tokens_of: dict, dtype=np.float32):
         cache.write(layer, step, np.concatenate(ks), np.concatenate(vs))
 
 
+def check_step_arrays(cache, step, requests: dict, held_before: dict):
+    """A step's arrays against their definitions, sequence by sequence, from the tables
+    the cache holds after it (reserve builds them with whole-array operations)."""
+    bs = cache.block_size
+    names = ("positions", "slot_mapping", "seq_lens", "kv_indices", "last_page_len")
+    want: dict[str, list] = {name: [] for name in names}
+    q_indptr, kv_indptr = [0], [0]
+    for sid in requests:
+        table, held = cache.block_table(sid).tolist(), cache.seq_len(sid)
+        pos = list(range(held_before[sid], held))
+        want["positions"] += pos
+        want["slot_mapping"] += [table[p // bs] * bs + p % bs for p in pos]
+        want["seq_lens"].append(held)
+        want["kv_indices"] += table
+        want["last_page_len"].append(held - (len(table) - 1) * bs)
+        q_indptr.append(q_indptr[-1] + len(pos))
+        kv_indptr.append(kv_indptr[-1] + len(table))
+    got = {name: step.host(name) for name in (*want, "seq_ids", "q_indptr", "kv_indptr")}
+    assert all(arr.dtype == np.int32 for arr in got.values())
+    assert got["seq_ids"].tolist() == list(requests)
+    assert got["q_indptr"].tolist() == q_indptr and got["kv_indptr"].tolist() == kv_indptr
+    for name, values in want.items():
+        assert got[name].tolist() == values, name
+
+
 def check_attention(cache, step, tokens_of, rng, window=None, layer=0, tol=3e-5):
     q = rng.standard_normal((step.num_tokens, HEADS, DIM)).astype(np.float32)
     got = host(nbkv.paged_attention(q, cache, layer, step, window=window))
@@ -699,11 +724,13 @@ class PagedMachine(RuleBasedStateMachine):
                 else self.new_tokens(int(self.rng.integers(1, 4)))
             )
         snapshot = self.state()
+        held = {sid: self.cache.seq_len(sid) for sid in req}
         try:
             step = self.cache.reserve(req)
         except nbkv.OutOfBlocksError:
             assert self.state() == snapshot  # nothing changed
             return
+        check_step_arrays(self.cache, step, req, held)
         for sid, new in req.items():
             self.tokens[sid] = np.concatenate([self.tokens[sid], new])
             self.rest.pop(sid, None)
