@@ -315,3 +315,38 @@ def test_online_softmax_step_matches_its_float64_arithmetic(seed):
         np.testing.assert_array_equal(got[0][:, nb:], s[:, nb:])  # past the block: untouched
         assert np.all(got[3][2] == 0.0)  # the fresh row's old acc is gone
         np.testing.assert_array_equal(got[3][5], acc[5])  # not raised: acc as it was
+
+
+@pytest.mark.parametrize("name", ("float32", "float16", "bfloat16"))
+@pytest.mark.parametrize("seed", range(4))
+def test_the_paged_runs_are_the_block_functions_bit_for_bit(name, seed):
+    # cpu_paged_pages.run_scores and run_accumulate (inlined into the paged task, no call
+    # per page) against _scores and _accumulate, the calls they replace: the same tiles
+    # in the same order, so the same bits in every score and accumulator, and nothing else
+    # written; rows and positions not multiples of four, empty runs, runs past a piece
+    # of the V pass (64), offset columns, prefetches either side, rows a head apart (an
+    # "nhd" page) and strided ones
+    from nbkv.kernels.cpu_paged_pages import run_accumulate, run_scores
+
+    rng = np.random.default_rng(500 + seed)
+    for _ in range(8):
+        rows, c0 = int(rng.integers(1, 14)), int(rng.integers(0, 6))
+        nb = int(rng.choice([0, 1, 3, 4, 7, 16, 17, 63, 64, 65, 130]))  # _BLOCK: 64
+        dim, heads = int(rng.choice([16, 48, 64, 128])), int(rng.integers(1, 4))
+        ahead = int(rng.choice([0, 5, 32, -16]))
+        pool, _, kind = _stored(rng.standard_normal((nb, heads, dim)).astype(np.float32), name)
+        for kb in (pool[:, heads - 1], pool[:, heads - 1, ::2] if dim >= 32 else pool[:, 0]):
+            qs = rng.standard_normal((rows, kb.shape[1])).astype(np.float32)
+            got = np.full((rows, c0 + nb + 2), np.nan, np.float32)
+            want = got.copy()
+            run_scores(qs, kb, got, c0, kind, ahead)
+            cpu_attention._scores(qs, kb, want, c0, kind, ahead)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+            assert np.isnan(got[:, :c0]).all() and np.isnan(got[:, c0 + nb :]).all()
+            s = rng.random((rows, c0 + nb)).astype(np.float32)
+            acc0 = rng.standard_normal((rows, kb.shape[1])).astype(np.float32)
+            got_acc, want_acc = acc0.copy(), acc0.copy()
+            run_accumulate(s, kb, got_acc, c0, kind, ahead)
+            cpu_attention._accumulate(s, kb, want_acc, c0, kind, ahead)
+            np.testing.assert_array_equal(got_acc.view(np.uint32), want_acc.view(np.uint32))
+            assert nb == 0 or not np.array_equal(got_acc, acc0)

@@ -225,6 +225,16 @@ _SCRIPT = textwrap.dedent(
         scores_outer(acc0, kt, sc, c0, nb)
         ref = acc0.astype(np.float64) @ vb.T.astype(np.float64)
         assert np.abs(sc[:, c0 : c0 + nb] - ref).max() < 1e-5 * max(1.0, np.abs(ref).max())
+        # the paged kernels' runs, inlined (cpu_paged_pages), are those calls bit for bit
+        from nbkv.kernels.cpu_paged_pages import run_accumulate, run_scores
+
+        run_acc, sc2 = acc0.copy(), np.full_like(sc, np.nan)
+        run_accumulate(s, vb, run_acc, c0, -1, ahead)
+        assert np.array_equal(run_acc.view(np.uint32), got.view(np.uint32))
+        plain = np.full_like(sc, np.nan)
+        run_scores(acc0, vb, sc2, c0, -1, ahead)
+        cpu_attention._scores(acc0, vb, plain, c0, -1, ahead)
+        assert np.array_equal(sc2.view(np.uint32), plain.view(np.uint32))
     asm = "".join(cpu_attention.attend_serial.inspect_asm().values())
     print("registers:", *sorted(r for r in ("xmm", "ymm", "zmm") if r in asm))
     """

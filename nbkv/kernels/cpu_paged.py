@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
-from numba.extending import overload
 
 from .. import _config
-from .cpu_attention import _FEW_ROWS, _accumulate, _mask, _online_softmax, _rows, _scores
+from .cpu_attention import _FEW_ROWS, _mask, _online_softmax
 from .cpu_math import kind16
+from .cpu_paged_pages import accumulate_page, score_page
 from .cpu_paged_prefill import outer_ok, outer_positions
-from .cpu_simd import tile_ok
 
 __all__ = [
     "write_paged",
@@ -115,135 +114,6 @@ def copy_blocks(src, dst, k_pool, v_pool):
         v_pool[dst[i]] = v_pool[src[i]]
 
 
-@njit(cache=True, fastmath=_config.FASTMATH)
-def _scores_heads(qs, kb, s, c0):
-    """s[h, r, c0 + j] = qs[h, r] . kb[j, h] for every head h, query row r and position j
-    of an "nhd" page ``kb`` [n, heads, head_dim], read in memory order (position, then
-    head). As :func:`nbkv.kernels.cpu_attention._scores`, four query rows share each K
-    row. Where :func:`nbkv.kernels.cpu_simd.tile_ok` holds, the page goes head by head
-    through ``_scores`` and its vector-IR tiles instead: 1.35x faster than this loop at
-    block size 16, though each head's rows lie a position apart."""
-    heads, rows, dim = qs.shape
-    for j in range(kb.shape[0]):
-        for h in range(heads):
-            kr, qh, sh = kb[j, h], qs[h], s[h]
-            r = 0
-            while r + 4 <= rows:
-                q0, q1, q2, q3 = qh[r], qh[r + 1], qh[r + 2], qh[r + 3]
-                k0 = kr[0]
-                a0, a1, a2, a3 = q0[0] * k0, q1[0] * k0, q2[0] * k0, q3[0] * k0
-                for d in range(1, dim):
-                    kd = kr[d]
-                    a0 += q0[d] * kd
-                    a1 += q1[d] * kd
-                    a2 += q2[d] * kd
-                    a3 += q3[d] * kd
-                sh[r, c0 + j], sh[r + 1, c0 + j] = a0, a1
-                sh[r + 2, c0 + j], sh[r + 3, c0 + j] = a2, a3
-                r += 4
-            while r < rows:
-                qr = qh[r]
-                a0 = qr[0] * kr[0]
-                for d in range(1, dim):
-                    a0 += qr[d] * kr[d]
-                sh[r, c0 + j] = a0
-                r += 1
-
-
-@njit(cache=True, fastmath=_config.FASTMATH)
-def _accumulate_heads(s, vb, acc, c0):
-    """acc[h, r] += sum over j of s[h, r, c0 + j] * vb[j, h] for an "nhd" page ``vb``, in
-    memory order as :func:`_scores_heads` (and, as it, replaced head by head by
-    ``_accumulate``'s vector IR where ``tile_ok`` holds); four positions per pass, so
-    each accumulator row loaded takes four multiply-adds."""
-    heads, rows, dim = acc.shape
-    nb = vb.shape[0]
-    j = 0
-    while j < nb:
-        m = min(4, nb - j)
-        for h in range(heads):
-            sh, ah = s[h], acc[h]
-            if m == 4:
-                v0, v1, v2, v3 = vb[j, h], vb[j + 1, h], vb[j + 2, h], vb[j + 3, h]
-                for r in range(rows):
-                    a, w = ah[r], sh[r]
-                    w0, w1, w2, w3 = w[c0 + j], w[c0 + j + 1], w[c0 + j + 2], w[c0 + j + 3]
-                    for d in range(dim):
-                        a[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d]
-            else:  # the positions left over
-                for t in range(j, j + m):
-                    v0 = vb[t, h]
-                    for r in range(rows):
-                        a, w0 = ah[r], sh[r, c0 + t]
-                        for d in range(dim):
-                            a[d] += w0 * v0[d]
-        j += m
-
-
-def _score_page(qs, pool, page, off, n, kind, table, buf, s, c0, ahead):
-    """Scores of ``page``'s rows ``off .. off + n - 1``, every head, into columns ``c0 ..``
-    of ``s`` [heads, rows, chunk]. By the overload, on the pool's form: "hnd" flattened to
-    ``[num_blocks * heads, block_size, head_dim]`` (one head's rows are contiguous: head
-    by head) or "nhd" ``[num_blocks, block_size, heads, head_dim]`` (position by
-    position). 16-bit rows are widened as they are loaded (``kind``, from ``table``),
-    except on ``_scores_heads``'s path, which widens them into ``buf`` [chunk, heads,
-    head_dim] first. ``ahead``: as row ``j`` is scored, row ``j + ahead`` of a head's
-    rows is prefetched (0: none); :func:`_segment` finds it."""
-    raise NotImplementedError  # pragma: no cover - only called from compiled code
-
-
-def _accumulate_page(s, pool, page, off, n, kind, table, buf, acc, c0, ahead):
-    """The weighted V rows of a page added to ``acc`` [heads, rows, head_dim], as
-    :func:`_score_page` reads K. By the overload."""
-    raise NotImplementedError  # pragma: no cover - only called from compiled code
-
-
-@overload(_score_page, jit_options={"cache": True})
-def _score_page_impl(qs, pool, page, off, n, kind, table, buf, s, c0, ahead):
-    if pool.ndim == 3:
-
-        def hnd(qs, pool, page, off, n, kind, table, buf, s, c0, ahead):
-            heads = qs.shape[0]
-            for h in range(heads):
-                kb = pool[page * heads + h, off : off + n]
-                _scores(qs[h], kb, s[h], c0, kind, ahead)
-
-        return hnd
-
-    def nhd(qs, pool, page, off, n, kind, table, buf, s, c0, ahead):
-        kb = pool[page, off : off + n]
-        if tile_ok(qs[0], kb[:, 0]):  # head by head, by the vector-IR tiles (cpu_simd)
-            for h in range(qs.shape[0]):
-                _scores(qs[h], kb[:, h], s[h], c0, kind, ahead)
-        else:
-            _scores_heads(qs, _rows(kb, table, buf), s, c0)
-
-    return nhd
-
-
-@overload(_accumulate_page, jit_options={"cache": True})
-def _accumulate_page_impl(s, pool, page, off, n, kind, table, buf, acc, c0, ahead):
-    if pool.ndim == 3:
-
-        def hnd(s, pool, page, off, n, kind, table, buf, acc, c0, ahead):
-            heads = acc.shape[0]
-            for h in range(heads):
-                vb = pool[page * heads + h, off : off + n]
-                _accumulate(s[h], vb, acc[h], c0, kind, ahead)
-
-        return hnd
-
-    def nhd(s, pool, page, off, n, kind, table, buf, acc, c0, ahead):
-        vb = pool[page, off : off + n]
-        if tile_ok(acc[0], vb[:, 0]):
-            for h in range(acc.shape[0]):
-                _accumulate(s[h], vb[:, h], acc[h], c0, kind, ahead)
-        else:
-            _accumulate_heads(s, _rows(vb, table, buf), acc, c0)
-
-    return nhd
-
-
 @njit(cache=True)
 def _segment(pages, bs, page_rows, at, j1, end, most):
     """``(page, off, n, ahead)``: the positions ``at .. at + n - 1`` (before ``j1``) lie
@@ -274,7 +144,7 @@ def _paged_task(
     positions they see), every KV head: the online softmax over the split, left as
     partial (max, sum, accumulator) rows in ``part_*[token, query head, split]``.
     ``task = (sequence * qchunks + chunk) * splits + split``; ``k_pages``, ``v_pages``
-    as :func:`_score_page` takes them.
+    as :func:`nbkv.kernels.cpu_paged_pages.score_page` takes them.
 
     A task takes every head of its sequence, run by run (:func:`_segment`: a page, or a
     piece of a large one), so that it reads the pool in memory order (one task per head
@@ -322,7 +192,7 @@ def _paged_task(
         at = j0
         while at < j1:
             page, off, n, ahead = _segment(pages, bs, page_rows, at, j1, end, most)
-            _score_page(qs, k_pages, page, off, n, kind, table, buf, s, at - j0, ahead)
+            score_page(qs, k_pages, page, off, n, kind, table, buf, s, at - j0, ahead)
             at += n
         nb = j1 - j0
         for h in range(heads):
@@ -332,7 +202,7 @@ def _paged_task(
         at = j0
         while at < j1:
             page, off, n, ahead = _segment(pages, bs, page_rows, at, j1, end, most)
-            _accumulate_page(s, v_pages, page, off, n, kind, table, buf, acc, at - j0, ahead)
+            accumulate_page(s, v_pages, page, off, n, kind, table, buf, acc, at - j0, ahead)
             at += n
         j0 = j1
     for h in range(heads):
