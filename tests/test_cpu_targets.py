@@ -229,10 +229,10 @@ _SCRIPT = textwrap.dedent(
         from nbkv.kernels.cpu_paged_pages import run_accumulate, run_scores
 
         run_acc, sc2 = acc0.copy(), np.full_like(sc, np.nan)
-        run_accumulate(s, vb, run_acc, c0, -1, ahead)
+        run_accumulate(s, vb, run_acc, c0, -1, ahead, True)  # tile_ok holds: 48 and 64
         assert np.array_equal(run_acc.view(np.uint32), got.view(np.uint32))
         plain = np.full_like(sc, np.nan)
-        run_scores(acc0, vb, sc2, c0, -1, ahead)
+        run_scores(acc0, vb, sc2, c0, -1, ahead, True)
         cpu_attention._scores(acc0, vb, plain, c0, -1, ahead)
         assert np.array_equal(sc2.view(np.uint32), plain.view(np.uint32))
     asm = "".join(cpu_attention.attend_serial.inspect_asm().values())

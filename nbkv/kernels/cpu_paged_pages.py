@@ -9,7 +9,12 @@ much as 16 positions' arithmetic at group 4 (on the Zen 2 guest, 2026-12-06, wit
 rows in L1: scores 27.6 ns a position in runs of 16 against 19.0 in runs of 128; V 21.7
 against 13.9). Here the runs go through :func:`run_scores` and :func:`run_accumulate`,
 inlined into the task with the tiles they call: the same tiles in the same order as
-those functions (bit for bit), with no call per page and head.
+those functions (bit for bit), with no call per page and head; and whether the tiles
+apply (:func:`~nbkv.kernels.cpu_simd.tile_ok`) is asked once a page, not once a head, as
+it holds for every head of a pool or none. With every head's K and V of 8 pages in L2,
+K and V together, a position and head: 58 ns "nhd" and 49 "hnd" through those calls
+(the page passes without prefetches), 50 and 40 now, 35 for the tiles called directly on
+"hnd" pages.
 """
 
 from __future__ import annotations
@@ -26,16 +31,17 @@ __all__ = ["score_page", "accumulate_page", "run_scores", "run_accumulate"]
 
 
 @njit(cache=True, inline="always", fastmath=_config.FASTMATH)
-def run_scores(qs, kb, s, c0, kind, ahead):
+def run_scores(qs, kb, s, c0, kind, ahead, simd):
     """:func:`nbkv.kernels.cpu_attention._scores` of ``kb``'s rows, inlined where it is
-    called: where :func:`~nbkv.kernels.cpu_simd.tile_ok` holds, the query rows four at a
-    time by the 4 x 4 tiles of :func:`~nbkv.kernels.cpu_simd.score_tile` (float32 K lines
-    prefetched ``ahead`` rows on before each tile; 16-bit K prefetched by the tile), then
-    ``_scores`` for the rows and positions left over (fewer than four); otherwise
-    ``_scores``. The same sums as ``_scores``, bit for bit."""
+    called: where :func:`~nbkv.kernels.cpu_simd.tile_ok` holds (``simd``: the caller's
+    answer for ``(qs, kb)``), the query rows four at a time by the 4 x 4 tiles of
+    :func:`~nbkv.kernels.cpu_simd.score_tile` (float32 K lines prefetched ``ahead`` rows
+    on before each tile; 16-bit K prefetched by the tile), then ``_scores`` for the rows
+    and positions left over (fewer than four); otherwise ``_scores``. The same sums as
+    ``_scores``, bit for bit."""
     rows, nb = qs.shape[0], kb.shape[0]
     r4, n4 = rows - rows % 4, nb - nb % 4
-    if not (tile_ok(qs, kb) and r4 > 0 and n4 > 0):
+    if not (simd and r4 > 0 and n4 > 0):
         _scores(qs, kb, s, c0, kind, ahead)
         return
     wide = kb.itemsize != 2
@@ -54,16 +60,16 @@ def run_scores(qs, kb, s, c0, kind, ahead):
 
 
 @njit(cache=True, inline="always", fastmath=_config.FASTMATH)
-def run_accumulate(s, vb, acc, c0, kind, ahead):
+def run_accumulate(s, vb, acc, c0, kind, ahead, simd):
     """:func:`nbkv.kernels.cpu_attention._accumulate` of ``vb``'s rows, inlined where it is
-    called: where ``tile_ok`` holds, the rows four at a time by
-    :func:`~nbkv.kernels.cpu_simd.accumulate_rows` (on targets narrower than AVX-512,
-    float32 rows from memory in pieces of ``_BLOCK``, each first read in memory order, as
-    ``_accumulate`` takes them), then ``_accumulate`` for the rows left over; otherwise
-    ``_accumulate``. The same sums in the same order, bit for bit."""
+    called: where ``tile_ok`` holds (``simd``, for ``(acc, vb)``), the rows four at a
+    time by :func:`~nbkv.kernels.cpu_simd.accumulate_rows` (on targets narrower than
+    AVX-512, float32 rows from memory in pieces of ``_BLOCK``, each first read in memory
+    order, as ``_accumulate`` takes them), then ``_accumulate`` for the rows left over;
+    otherwise ``_accumulate``. The same sums in the same order, bit for bit."""
     rows, nb = acc.shape[0], vb.shape[0]
     r4 = rows - rows % 4
-    if not (tile_ok(acc, vb) and r4 > 0 and nb > 0):
+    if not (simd and r4 > 0 and nb > 0):
         _accumulate(s, vb, acc, c0, kind, ahead)
         return
     if _LINE_PASSES and vb.itemsize == 4 and ahead != 0:
@@ -169,9 +175,10 @@ def _score_page_impl(qs, pool, page, off, n, kind, table, buf, s, c0, ahead):
 
         def hnd(qs, pool, page, off, n, kind, table, buf, s, c0, ahead):
             heads = qs.shape[0]
+            simd = tile_ok(qs[0], pool[page * heads, off : off + n])  # as for every head
             for h in range(heads):
                 kb = pool[page * heads + h, off : off + n]
-                run_scores(qs[h], kb, s[h], c0, kind, ahead)
+                run_scores(qs[h], kb, s[h], c0, kind, ahead, simd)
 
         return hnd
 
@@ -179,7 +186,7 @@ def _score_page_impl(qs, pool, page, off, n, kind, table, buf, s, c0, ahead):
         kb = pool[page, off : off + n]
         if tile_ok(qs[0], kb[:, 0]):  # head by head, by the vector-IR tiles (cpu_simd)
             for h in range(qs.shape[0]):
-                run_scores(qs[h], kb[:, h], s[h], c0, kind, ahead)
+                run_scores(qs[h], kb[:, h], s[h], c0, kind, ahead, True)
         else:
             _scores_heads(qs, _rows(kb, table, buf), s, c0)
 
@@ -192,9 +199,10 @@ def _accumulate_page_impl(s, pool, page, off, n, kind, table, buf, acc, c0, ahea
 
         def hnd(s, pool, page, off, n, kind, table, buf, acc, c0, ahead):
             heads = acc.shape[0]
+            simd = tile_ok(acc[0], pool[page * heads, off : off + n])
             for h in range(heads):
                 vb = pool[page * heads + h, off : off + n]
-                run_accumulate(s[h], vb, acc[h], c0, kind, ahead)
+                run_accumulate(s[h], vb, acc[h], c0, kind, ahead, simd)
 
         return hnd
 
@@ -202,7 +210,7 @@ def _accumulate_page_impl(s, pool, page, off, n, kind, table, buf, acc, c0, ahea
         vb = pool[page, off : off + n]
         if tile_ok(acc[0], vb[:, 0]):
             for h in range(acc.shape[0]):
-                run_accumulate(s[h], vb[:, h], acc[h], c0, kind, ahead)
+                run_accumulate(s[h], vb[:, h], acc[h], c0, kind, ahead, True)
         else:
             _accumulate_heads(s, _rows(vb, table, buf), acc, c0)
 
