@@ -8,13 +8,16 @@ A run is short (16 positions at block size 16), so what a call costs counts: thr
 much as 16 positions' arithmetic at group 4 (on the Zen 2 guest, 2026-12-06, with the
 rows in L1: scores 27.6 ns a position in runs of 16 against 19.0 in runs of 128; V 21.7
 against 13.9). Here the runs go through :func:`run_scores` and :func:`run_accumulate`,
-inlined into the task with the tiles they call: the same tiles in the same order as
-those functions (bit for bit), with no call per page and head; and whether the tiles
-apply (:func:`~nbkv.kernels.cpu_simd.tile_ok`) is asked once a page, not once a head, as
-it holds for every head of a pool or none. With every head's K and V of 8 pages in L2,
-K and V together, a position and head: 58 ns "nhd" and 49 "hnd" through those calls
-(the page passes without prefetches), 50 and 40 now, 35 for the tiles called directly on
-"hnd" pages.
+inlined into the page passes with the tiles they call: the same tiles in the same order
+as those functions (bit for bit), with one call per page for every head instead of one
+per page and head; and whether the tiles apply (:func:`~nbkv.kernels.cpu_simd.tile_ok`)
+is asked once a page, as it holds for every head of a pool or none. K and V of 8 pages
+of 16 positions in L2, the page passes without prefetches, per position and head: 58 ns
+"nhd" and 49 "hnd" through those calls, 42 and 41 now, 35-36 for the tiles called
+directly on "hnd" pages. (The page passes inlined into the task as well: "nhd" 50 ns,
+and 2.5 s more to compile.) A fresh compile of a paged kernel takes longer than through
+``_scores``: on the Zen 2 guest the first decode call, "nhd" float32, 30.7 s against 24.8
+(``_scores`` is compiled for the runs left over as well).
 """
 
 from __future__ import annotations
@@ -169,7 +172,7 @@ def accumulate_page(s, pool, page, off, n, kind, table, buf, acc, c0, ahead):
     raise NotImplementedError  # pragma: no cover - only called from compiled code
 
 
-@overload(score_page, inline="always", jit_options={"cache": True})
+@overload(score_page, jit_options={"cache": True})
 def _score_page_impl(qs, pool, page, off, n, kind, table, buf, s, c0, ahead):
     if pool.ndim == 3:
 
@@ -193,7 +196,7 @@ def _score_page_impl(qs, pool, page, off, n, kind, table, buf, s, c0, ahead):
     return nhd
 
 
-@overload(accumulate_page, inline="always", jit_options={"cache": True})
+@overload(accumulate_page, jit_options={"cache": True})
 def _accumulate_page_impl(s, pool, page, off, n, kind, table, buf, acc, c0, ahead):
     if pool.ndim == 3:
 

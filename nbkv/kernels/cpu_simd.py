@@ -185,8 +185,8 @@ def accumulate_rows(s, r, vb, nb, acc, c0, kind, ahead):
     raise NotImplementedError  # pragma: no cover - only called from compiled code
 
 
-# inline="always" too: a call per page and head cost the paged kernels' runs of 16 rows
-# 3.4 ns a position and head of 44 (the Zen 2 guest, rows in L2; cpu_paged_pages)
+# inline="always" too: the paged kernels call it for every page and head; runs of 16 rows
+# in L2 took 44 ns a position and head with the call, 40 without (Zen 2; cpu_paged_pages)
 @overload(accumulate_rows, inline="always", jit_options={"cache": True})
 def _accumulate_rows_impl(s, r, vb, nb, acc, c0, kind, ahead):
     if not _types_ok(acc, vb):
