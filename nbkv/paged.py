@@ -345,7 +345,7 @@ class PagedKVCache(PagedReserveMixin, PagedPrefixMixin):
             self._pool.share(b)
         new = self._next_id
         self._next_id += 1
-        self._seqs[new] = _Seq(seq.blocks, seq.seq_len, seq.tokens.copy(), list(seq.keys))
+        self._seqs[new] = _Seq(seq.blocks.copy(), seq.seq_len, seq.tokens.copy(), list(seq.keys))
         self._changed()
         return new
 

@@ -16,6 +16,7 @@ from numba.core import config
 from nbkv.dtypes import kernel_dtype, resolve_dtype, widen_table
 from nbkv.kernels import cpu_attention
 from nbkv.kernels.cpu_math import kind16
+from nbkv.kernels.cpu_paged_pages import accumulate_page, score_page
 from nbkv.kernels.cpu_simd import LANES, accumulate_rows, score_tile, tile_lanes, tile_ok
 from nbkv.kernels.cpu_vector import row_max
 
@@ -350,3 +351,52 @@ def test_the_paged_runs_are_the_block_functions_bit_for_bit(name, seed):
             cpu_attention._accumulate(s, kb, want_acc, c0, kind, ahead)
             np.testing.assert_array_equal(got_acc.view(np.uint32), want_acc.view(np.uint32))
             assert nb == 0 or not np.array_equal(got_acc, acc0)
+
+
+@njit
+def _page_passes(qs, k_pool, v_pool, page, off, n, kind, table, s, acc, c0, ahead):
+    buf = np.empty((0, 1, 1), np.float32)  # the tiles apply: no widening copy
+    score_page(qs, k_pool, page, off, n, kind, table, buf, s, c0, ahead)
+    accumulate_page(s, v_pool, page, off, n, kind, table, buf, acc, c0, ahead)
+
+
+@njit
+def _page_passes_per_head(qs, k_pool, v_pool, page, off, n, kind, s, acc, c0, ahead):
+    # what the page passes did before cpu_paged_pages: a call of each per page and head
+    heads = qs.shape[0]
+    for h in range(heads):
+        if k_pool.ndim == 3:  # "hnd", flattened to (block, head) pages
+            kb = k_pool[page * heads + h, off : off + n]
+        else:
+            kb = k_pool[page, off : off + n, h]
+        cpu_attention._scores(qs[h], kb, s[h], c0, kind, ahead)
+    for h in range(heads):
+        if k_pool.ndim == 3:
+            vb = v_pool[page * heads + h, off : off + n]
+        else:
+            vb = v_pool[page, off : off + n, h]
+        cpu_attention._accumulate(s[h], vb, acc[h], c0, kind, ahead)
+
+
+@pytest.mark.parametrize("name", ("float32", "bfloat16"))
+@pytest.mark.parametrize("layout", ("hnd", "nhd"))
+def test_the_page_passes_are_the_per_head_calls_bit_for_bit(name, layout):
+    # score_page / accumulate_page ask tile_ok once a page (head 0's rows) and run every
+    # head through the inlined runs: the same bits as a call of _scores / _accumulate per
+    # head, for group 4 and 5 (a row left over), runs of 16 and 7 positions, mid-page
+    rng = np.random.default_rng(700)
+    heads, bs, dim, blocks = 3, 16, 64, 4
+    for rows, off, n, c0, ahead in ((4, 0, 16, 0, 32), (5, 9, 7, 3, 0), (8, 2, 14, 16, -5)):
+        shape = (blocks * heads, bs, dim) if layout == "hnd" else (blocks, bs, heads, dim)
+        k_pool, _, kind = _stored(rng.standard_normal(shape).astype(np.float32), name)
+        v_pool, _, _ = _stored(rng.standard_normal(shape).astype(np.float32), name)
+        qs = rng.standard_normal((heads, rows, dim)).astype(np.float32)
+        s0 = np.full((heads, rows, c0 + n + 2), np.nan, np.float32)
+        acc0 = rng.standard_normal((heads, rows, dim)).astype(np.float32)
+        got_s, got_acc, want_s, want_acc = s0.copy(), acc0.copy(), s0.copy(), acc0.copy()
+        table = None if name == "float32" else widen_table(resolve_dtype(name))
+        _page_passes(qs, k_pool, v_pool, 2, off, n, kind, table, got_s, got_acc, c0, ahead)
+        _page_passes_per_head(qs, k_pool, v_pool, 2, off, n, kind, want_s, want_acc, c0, ahead)
+        np.testing.assert_array_equal(got_s.view(np.uint32), want_s.view(np.uint32))
+        np.testing.assert_array_equal(got_acc.view(np.uint32), want_acc.view(np.uint32))
+        assert not np.isnan(got_s[:, :, c0 : c0 + n]).any() and not np.array_equal(got_acc, acc0)

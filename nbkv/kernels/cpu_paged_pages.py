@@ -4,20 +4,22 @@ a large one), every head: the scores of :func:`score_page` and the V rows of
 whose tasks call them run by run.
 
 A run is short (16 positions at block size 16), so what a call costs counts: through
-:func:`nbkv.kernels.cpu_attention._scores` and ``_accumulate``, 130 ns a call each, as
+:func:`nbkv.kernels.cpu_attention._scores` and ``_accumulate``, about 130 ns a call each, as
 much as 16 positions' arithmetic at group 4 (on the Zen 2 guest, 2026-12-06, with the
 rows in L1: scores 27.6 ns a position in runs of 16 against 19.0 in runs of 128; V 21.7
 against 13.9). Here the runs go through :func:`run_scores` and :func:`run_accumulate`,
 inlined into the page passes with the tiles they call: the same tiles in the same order
 as those functions (bit for bit), with one call per page for every head instead of one
-per page and head; and whether the tiles apply (:func:`~nbkv.kernels.cpu_simd.tile_ok`)
+per page and head where a KV head's query rows are a multiple of four (a decode step at
+group 4 or 8; rows left over, and fewer than four rows, still go through those
+functions); and whether the tiles apply (:func:`~nbkv.kernels.cpu_simd.tile_ok`)
 is asked once a page, as it holds for every head of a pool or none. K and V of 8 pages
 of 16 positions in L2, the page passes without prefetches, per position and head: 58 ns
 "nhd" and 49 "hnd" through those calls, 42 and 41 now, 35-36 for the tiles called
 directly on "hnd" pages. (The page passes inlined into the task as well: "nhd" 50 ns,
 and 2.5 s more to compile.) A fresh compile of a paged kernel takes longer than through
-``_scores``: on the Zen 2 guest the first decode call, "nhd" float32, 30.7 s against 24.8
-(``_scores`` is compiled for the runs left over as well).
+``_scores``: on the Zen 2 guest the first decode call, "nhd" float32, 30.7 s with this
+module against 24.8 before it (``_scores`` is compiled for the runs left over as well).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from .cpu_attention import _BLOCK, _LINE_PASSES, _accumulate, _rows, _scores
 from .cpu_math import prefetch, touch_rows
 from .cpu_simd import accumulate_rows, score_tile, tile_ok
 
-__all__ = ["score_page", "accumulate_page", "run_scores", "run_accumulate"]
+# run_scores / run_accumulate trust their ``simd`` (tile_ok's answer, which the page
+# passes ask once a page): not for other callers
+__all__ = ["score_page", "accumulate_page"]
 
 
 @njit(cache=True, inline="always", fastmath=_config.FASTMATH)
