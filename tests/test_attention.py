@@ -95,12 +95,14 @@ def test_parallel_and_serial_cpu_kernels_match_the_reference(
 def test_a_few_rows_take_long_blocks():
     block = cpu_attention._block_size.py_func
     assert block(8, 128 * 4) == 512  # a decode step at group 8, float32, head_dim 128
+    assert block(32, 128 * 4) == 512  # at group 32, or 8 queries at group 4
     assert block(4, 128 * 2) == 512  # float16 or bfloat16 (their V pass goes in pieces)
     assert block(4, 128 * 8) == 256  # float64: 256 KiB of rows at the most
     assert block(4, 256 * 4) == 256  # float32 at head_dim 256
     assert block(4, 24 * 4) == 512  # small rows: 512 at the most
     assert block(4, 4096 * 4) == 64  # rows too large for two blocks of 64: 64
-    assert block(9, 128 * 4) == 64  # more rows (a prefill chunk)
+    assert cpu_attention._FEW_ROWS == 32
+    assert block(33, 128 * 4) == 64  # more rows (a prefill chunk)
 
 
 @cpu_only
@@ -108,8 +110,8 @@ def test_a_few_rows_take_long_blocks():
 @given(
     seed=st.integers(0, 2**32 - 1),
     dtype=st.sampled_from(["float32", "float64", "float16", "bfloat16"]),
-    group=st.sampled_from([1, 2, 4, 8]),
-    n_q=st.integers(1, 8),
+    group=st.sampled_from([1, 2, 4, 8, 12, 16, 32]),
+    n_q=st.integers(1, 32),
     head_dim=st.sampled_from([16, 24, 128]),  # vector IR (1 and 4 passes), plain loops
     seq_len=st.integers(1, 1600),  # up to three blocks of 512 and part of a fourth
     window=st.one_of(st.none(), st.integers(1, 1200)),
@@ -121,16 +123,20 @@ def test_a_few_rows_take_long_blocks():
 @example(3, "float16", 4, 1, 128, 1100, None, True)  # 16-bit: V in pieces, a short last one
 @example(4, "bfloat16", 2, 3, 128, 1537, 700, True)  # 16-bit with a window
 @example(5, "float16", 8, 1, 128, 2000, 1300, False)  # non-causal window, V pieces in both
+@example(6, "bfloat16", 16, 2, 128, 1100, None, True)  # 32 rows, the most in long blocks
+@example(7, "float32", 12, 1, 128, 600, 300, True)  # 12 rows: 3 tiles of four
 def test_long_blocks_match_the_reference_and_the_64_position_blocks(
     seed, dtype, group, n_q, head_dim, seq_len, window, causal
 ):
-    """A chunk of at most 8 query rows per KV head (a decode step) walks blocks of up to
-    512 positions (cpu_attention._block_size; over 16-bit K/V, the V pass of a block in
-    pieces of 64), every other chunk blocks of 64. The short chunk against the float64
-    reference, and against the same queries as the last of a chunk of more than 8 rows
-    (earlier queries before them), which walks blocks of 64: each query's output depends
-    on its position alone."""
-    n_q = max(1, min(n_q, 8 // group, seq_len))
+    """A chunk of at most 32 query rows per KV head (a decode step at a group up to 32,
+    or a few queries) walks blocks of up to 512 positions (cpu_attention._block_size;
+    over 16-bit K/V, the V pass of a block in pieces of 64), every other chunk blocks of
+    64 (where cpu_prefill applies, as matrix products). The short chunk against the
+    float64 reference, and against the same queries as the last of a chunk of more than
+    32 rows (earlier queries before them): each query's output depends on its position
+    alone."""
+    few = cpu_attention._FEW_ROWS
+    n_q = max(1, min(n_q, few // group, seq_len))
     rng = np.random.default_rng(seed)
     tol = 1e-12 if dtype == "float64" else TOL
     cache, K, V = make_cache(rng, "bhsd", dtype, 2, head_dim, seq_len, seq_len, batch=1)
@@ -139,7 +145,7 @@ def test_long_blocks_match_the_reference_and_the_64_position_blocks(
     got = nbkv.attention(q, cache, causal=causal, window=window)
     want = reference.attention(q, K, V, causal=causal, window=window)
     np.testing.assert_allclose(got, want, rtol=0, atol=tol)
-    extra = 8 // group + 1 - n_q  # queries before them: more than 8 rows in all
+    extra = few // group + 1 - n_q  # queries before them: more than `few` rows in all
     if extra + n_q <= seq_len:
         earlier = randn(rng, (1, 2 * group, extra, head_dim), q_dtype)
         longer = np.concatenate([earlier, q], axis=2)

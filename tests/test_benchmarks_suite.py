@@ -456,6 +456,32 @@ def test_bench_attention_main_runs_two_sizes_and_checks_the_smallest(tmp_path, m
     assert results["4096"]["case"]["checked_max_abs_err"] < ba.ATOL
 
 
+def test_bench_groups_main_checks_and_times_every_contender(tmp_path, monkeypatch):
+    # a whole run in little: a decode step past 8 rows and a few queries at once, each
+    # contender checked against float64 before it is timed, and a wrong one caught
+    bg = _bench_script("groups")
+    monkeypatch.setattr(bg, "SHAPES", ((16, 1, 1), (8, 2, 3)))
+    monkeypatch.setattr(bg, "SEQ_LEN", {True: 100, False: 100})
+    monkeypatch.setattr(bg, "COLD_BYTES", 1 << 20)
+    out = tmp_path / "g.json"
+    got = bg.main(["--quick", "--json", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["group"], r["rows"]) for r in rows] == [(16, 16), (4, 12)]
+    for r in rows:
+        assert r["max_err"] < bg.ATOL
+        assert {"nbkv contiguous", "nbkv paged", "read ceiling"} <= set(r["median_us"])
+        assert all(t > 0 for t in r["median_us"].values())
+    assert got["results"] == rows
+    # the mask torch gets: query i of a group's head sees up to position seq_len - n_q + i
+    mask = bg.causal_rows(2, 4, 3, 10)
+    assert mask.shape == (2, 12, 10)
+    assert mask[1, 3].sum() == 8 and mask[0, 4].sum() == 9 and mask[0, 11].sum() == 10
+    real = nbkv.attention
+    monkeypatch.setattr(nbkv, "attention", lambda q, c: real(q, c) + 1e-3)
+    with pytest.raises(AssertionError, match="max .err"):
+        bg.shape_part(16, 1, 1, 100, 1, np.random.default_rng(0))
+
+
 def _bench_phases():
     return _bench_script("phases")
 

@@ -1,5 +1,5 @@
 """The prefill chunk's score and V passes as matrix products (``nbkv.kernels.cpu_prefill``),
-which the CPU attention takes for chunks of more than 8 query rows where vectors are
+which the CPU attention takes for chunks of more than 32 query rows where vectors are
 narrower than AVX-512's: each piece against float64 and against the pass it replaces, and
 the whole attention against the reference and against the decode path. The functions
 run on any target (their vectors follow it); ``tests/test_cpu_targets.py`` runs the
@@ -177,8 +177,9 @@ def test_accumulate_outer_adds_the_same_products_in_the_same_order_as_the_pass_i
 )
 @example(0, "float32", 4, 33, 128, 300, None, True)  # chunks of 128 rows (21 tiles of six
 # and 2 rows) and of 4 (a last chunk of a decode step's size: the tile, in blocks of 64)
-@example(1, "float16", 8, 2, 128, 130, 70, True)  # 16 rows, blocks at the window's edges
-@example(2, "bfloat16", 1, 9, 48, 65, None, False)  # 9 rows: 6 + 2 + 1, a 1-position block
+@example(1, "float16", 8, 5, 128, 130, 70, True)  # 40 rows, blocks at the window's edges
+@example(2, "bfloat16", 1, 33, 48, 65, None, False)  # 33 rows: 5 x 6 + 2 + 1, a 1-position
+# block
 def test_a_prefill_chunk_matches_the_reference_and_its_last_query_the_decode_path(
     seed, dtype, group, n_q, head_dim, seq_len, window, causal
 ):
@@ -192,7 +193,7 @@ def test_a_prefill_chunk_matches_the_reference_and_its_last_query_the_decode_pat
     got = nbkv.attention(q, cache, causal=causal, window=window)
     want = reference.attention(q, K, V, causal=causal, window=window)
     np.testing.assert_allclose(got, want, rtol=0, atol=3e-5)
-    # the last query sees what a decode step of it alone sees: at most 8 rows walk the
-    # tile path of blocks of up to 512
+    # the last query sees what a decode step of it alone sees: at most 32 rows (here
+    # 8 at the most) walk the tile path of blocks of up to 512
     alone = nbkv.attention(q[:, :, -1:], cache, causal=causal, window=window)
     np.testing.assert_allclose(got[:, :, -1:], alone, rtol=0, atol=3e-5)

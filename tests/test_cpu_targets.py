@@ -143,11 +143,13 @@ _SCRIPT = textwrap.dedent(
             assert maximum(s, r, nb) == best, (nb, r)
 
     for dtype in ("float32", "float16", "bfloat16"):
-        # 48: the score tile reads whole lines, then passes (16-bit K); 40: no tile; 5
-        # queries: a chunk of 20 rows, the prefill's matrix products; 33: chunks of 128
-        # rows (21 tiles of six, then 2 rows) and 4 (the tile)
+        # 48: the score tile reads whole lines, then passes (16-bit K); 40: no tile; 10
+        # queries: a chunk of 40 rows, the prefill's matrix products (six tiles of six,
+        # then 4); 5: 20 rows, the tiles; 33: chunks of 128 rows (21 tiles of six, then 2
+        # rows) and 4 (the tile)
         for dim, n_q, seq in (
-            (128, 1, 300), (64, 5, 77), (48, 1, 90), (40, 3, 50), (128, 33, 300)
+            (128, 1, 300), (64, 10, 77), (64, 5, 77), (48, 1, 90), (40, 3, 50),
+            (128, 33, 300),
         ):
             cache = nbkv.LayerKVCache(512, batch=2, num_kv_heads=2, head_dim=dim, dtype=dtype)
             k = rng.standard_normal((2, 2, seq, dim)).astype(resolve_dtype(dtype))

@@ -901,7 +901,7 @@ def test_a_hand_launch_widens_every_pool_form_with_its_table(rng, form):
 def test_a_paged_prefill_equals_its_queries_one_by_one_and_the_reference(
     layout, dtype, bs, dim, group, new, held, window, splits, seed
 ):
-    """A prefill's query chunks (more than 8 query rows: where ``cpu_prefill`` applies,
+    """A prefill's query chunks (more than 32 query rows: where ``cpu_prefill`` applies,
     each head's positions gathered and its passes taken as matrix products) against each
     query alone (a decode step's 4 rows: the page-by-page tiles they replace) over the
     same pages, and both against float64; every output row written. On AVX-512 targets

@@ -48,7 +48,14 @@ _CHUNK_ROWS = 128
 # faster with fast memory, the same with slow)
 _LONG_BLOCK = 512
 _LONG_BYTES = 256 * 1024
-_FEW_ROWS = 8
+# up to 32 rows: a decode step at any group up to 32 (Llama-3-405B's 16, Mistral Large's
+# 12), or a few queries at once (speculative decoding's checks: 4-8 queries at group 4).
+# More rows take cpu_prefill's matrix products where they apply (AVX2 and narrower), which
+# pay for copying each block of 64 K rows transposed only from 64 rows up: on the Zen 3
+# guest of 2026-12-07 the tiles were 1.2-1.6x as fast at 12-16 rows, float32 and
+# float16, 1.0-1.3x at 32, within the noise at 48-64 (benchmarks/README.md, "Decode at
+# larger groups"); at 8 rows and fewer both were always the tiles
+_FEW_ROWS = 32
 # rows prefetched (into L2: cpu_math.PREFETCH_LOCALITY) ahead of the row computed, a few
 # lines per row spread over the arithmetic. A whole block prefetched at its start (1,024
 # lines at once) stalled: 32k float16 decode took 9.7 ms that way, 4.2 ms this way

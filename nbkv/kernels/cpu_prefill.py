@@ -28,9 +28,10 @@ rounding, not bit for bit, and as close to float64 (one chain over all of head_d
 ms, was 4x further off). The V pass (:func:`accumulate_outer`) is
 :func:`~nbkv.kernels.cpu_simd.accumulate_rows`' loop for 6 rows instead of 4 (12
 accumulators instead of 8): the same sums in the same order, bit for bit, 1.41 ms against
-1.70-1.73. :func:`applies` says when the attention takes these (a chunk of more than 8
-query rows: ``nbkv.kernels.cpu_attention``, and ``nbkv.kernels.cpu_paged`` over each
-head's positions gathered from their pages); the functions themselves check nothing
+1.70-1.73. :func:`applies` says when the attention takes these (a chunk of more than 32
+query rows, ``cpu_attention._FEW_ROWS``: ``nbkv.kernels.cpu_attention``, and
+``nbkv.kernels.cpu_paged`` over each head's positions gathered from their pages); the
+functions themselves check nothing
 (kernels' rule): their docstrings say what they need. AVX-512 targets keep the tile,
 which has 16 sums in flight (these were not measured there).
 """
