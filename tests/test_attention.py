@@ -124,6 +124,7 @@ def test_a_few_rows_take_long_blocks():
 @example(4, "bfloat16", 2, 3, 128, 1537, 700, True)  # 16-bit with a window
 @example(5, "float16", 8, 1, 128, 2000, 1300, False)  # non-causal window, V pieces in both
 @example(6, "bfloat16", 16, 2, 128, 1100, None, True)  # 32 rows, the most in long blocks
+@example(8, "float32", 16, 1, 128, 1100, None, True)  # a decode step at group 16
 @example(7, "float32", 12, 1, 128, 600, 300, True)  # 12 rows: 3 tiles of four
 def test_long_blocks_match_the_reference_and_the_64_position_blocks(
     seed, dtype, group, n_q, head_dim, seq_len, window, causal
@@ -136,7 +137,7 @@ def test_long_blocks_match_the_reference_and_the_64_position_blocks(
     32 rows (earlier queries before them): each query's output depends on its position
     alone."""
     few = cpu_attention._FEW_ROWS
-    n_q = max(1, min(n_q, few // group, seq_len))
+    n_q = min(1 + (n_q - 1) % (few // group), seq_len)  # a decode step often at any group
     rng = np.random.default_rng(seed)
     tol = 1e-12 if dtype == "float64" else TOL
     cache, K, V = make_cache(rng, "bhsd", dtype, 2, head_dim, seq_len, seq_len, batch=1)

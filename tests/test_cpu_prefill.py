@@ -168,7 +168,7 @@ def test_accumulate_outer_adds_the_same_products_in_the_same_order_as_the_pass_i
 @given(
     seed=st.integers(0, 2**32 - 1),
     dtype=st.sampled_from(list(KINDS)),
-    group=st.sampled_from([1, 2, 4, 8]),
+    group=st.sampled_from([1, 2, 4, 8, 16]),  # 16: past 32 rows from 3 queries
     n_q=st.integers(2, 40),
     head_dim=st.sampled_from([16, 48, 128, 40]),  # 40: no vector IR, the plain loops
     seq_len=st.integers(1, 400),

@@ -163,13 +163,17 @@ _SCRIPT = textwrap.dedent(
             assert err < 2e-5, (dtype, dim, n_q, seq, err)
     # a paged prefill: chunks of 64 queries (256 rows: tiles of six and 4 left over) and
     # 9 (36 rows), each head's positions gathered from pages of 5 in steps of 128 (one
-    # starting mid-page where the window cuts in), in both pool layouts
+    # starting mid-page where the window cuts in), in both pool layouts; then decode
+    # steps at group 16 and 14 (16 and 14 rows: the page tiles, and 2 rows left over)
     from nbkv.tutorial.paging import paged_copy
 
-    for layout, dtype, window in (("nhd", "float32", 150), ("hnd", "float16", None)):
+    for layout, dtype, window, new, heads in (
+        ("nhd", "float32", 150, 73, 8), ("hnd", "float16", None, 73, 8),
+        ("nhd", "bfloat16", None, 1, 32), ("hnd", "float32", 100, 1, 28),
+    ):  # fmt: skip
         k, v = (rng.standard_normal((1, 2, 300, 64)).astype(resolve_dtype(dtype)) for _ in "kv")
-        paged, step = paged_copy(k, v, 5, layout=layout, new=73)
-        q = rng.standard_normal((73, 8, 64)).astype(np.float32)
+        paged, step = paged_copy(k, v, 5, layout=layout, new=new)
+        q = rng.standard_normal((new, heads, 64)).astype(np.float32)
         want = reference.attention(
             q.transpose(1, 0, 2)[None], k.astype(np.float64), v.astype(np.float64),
             window=window,

@@ -39,6 +39,10 @@ from .cpu_math import kind16
 from .cpu_paged_pages import accumulate_page, score_page
 from .cpu_paged_prefill import outer_ok, outer_positions
 
+# _FEW_ROWS (32 since 2026-12-07): a task of more query rows per KV head takes
+# cpu_paged_prefill's gathered matrix products. Numba caches its value with this module's
+# functions and does not see it change in cpu_attention: touch this file with it
+
 __all__ = [
     "write_paged",
     "write_paged_hnd",
