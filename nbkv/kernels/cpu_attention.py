@@ -52,11 +52,11 @@ _LONG_BYTES = 256 * 1024
 # 12), or a few queries at once (speculative decoding's checks: 4-8 queries at group 4).
 # More rows take cpu_prefill's matrix products where they apply (AVX2 and narrower), which
 # copy each block of 64 K rows transposed first: on the Zen 3 guest of 2026-12-07 the
-# tiles were 1.13-1.66x as fast at 12-16 rows, float32 and float16, 1.03-1.26x at 32,
-# 1.01-1.08x at 48-64 (benchmarks/README.md, "bench_groups.py"), where the threshold stays
-# until a run says more; at 8 rows and fewer both were always the tiles. cpu_paged
-# imports it: Numba's disk cache does not see a change made here, so touch cpu_paged.py
-# with it (or delete the __pycache__ caches)
+# tiles were 1.20-1.53x as fast at 12-16 rows, float32 and float16, 1.13-1.25x at 32
+# (benchmarks/probe_few_rows.py); at 48-64 rows an ad hoc probe found no more than its
+# noise (benchmarks/README.md, "bench_groups.py"); at 8 rows and fewer both were always
+# the tiles. cpu_paged imports it: Numba's disk cache does not see a change made here,
+# so touch cpu_paged.py with it (or delete the __pycache__ caches)
 _FEW_ROWS = 32
 # rows prefetched (into L2: cpu_math.PREFETCH_LOCALITY) ahead of the row computed, a few
 # lines per row spread over the arithmetic. A whole block prefetched at its start (1,024

@@ -1,5 +1,5 @@
 """The paged kernels' prefill: a task of more than 32 query rows per KV head
-(``cpu_attention._FEW_ROWS``: a decode step up to group 32 keeps the page tiles, 1.5-1.7x
+(``cpu_attention._FEW_ROWS``: a decode step up to group 32 keeps the page tiles, 1.35-1.47x
 as fast at groups 12-16 as this path on the Zen 3 guest of 2026-12-07) takes the
 contiguous kernel's matrix products (:mod:`nbkv.kernels.cpu_prefill`) over each head's
 positions, gathered from their pages into two small buffers first.
