@@ -37,6 +37,11 @@ settings.load_profile("simulator" if DEVICE == "cuda" else "cpu")
 cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="exercises the CPU backend only")
 
 
+def pytest_report_header(config) -> str:
+    under = " under Numba's CUDA simulator" if SIMULATOR else ""
+    return f"nbkv backend: {DEVICE}{under}"
+
+
 @pytest.fixture
 def device() -> str:
     return DEVICE
