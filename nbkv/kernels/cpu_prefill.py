@@ -21,11 +21,12 @@ vectors ``kt[d, j:j + 2 lanes]``. Twelve independent sums stay in registers (wit
 vectors and a broadcast: 15 of 16), every sum lands in its own lane, and nothing is
 reduced: 1.53-1.57 ms, with the copy 1.62-1.68.
 
-Each score is summed over head_dim in spans of 16 elements (a chain of FMAs in registers
-each), the spans' sums added in memory in turn (:data:`_SPAN`): a different order from the
-tile's (16 elements per lane, then the lanes pairwise), so the same scores to float32
-rounding, not bit for bit, and as close to float64 (one chain over all of head_dim, 1.38
-ms, was 4x further off). The V pass (:func:`accumulate_outer`) is
+Each score is summed over head_dim in spans of 32 elements (a chain of FMAs in registers
+each), the first span's sums stored, the later ones' added in memory in turn
+(:data:`_SPAN`): a different order from the tile's (16 elements per lane, then the lanes
+pairwise), so the same scores to float32 rounding, not bit for bit, and nearly as close to
+float64 (one chain over all of head_dim, 1.38 ms, was 4x further off). The V pass
+(:func:`accumulate_outer`) is
 :func:`~nbkv.kernels.cpu_simd.accumulate_rows`' loop for 6 rows instead of 4 (12
 accumulators instead of 8): the same sums in the same order, bit for bit, 1.41 ms against
 1.70-1.73. :func:`applies` says when the attention takes these (a chunk of more than 32
@@ -76,11 +77,16 @@ __all__ = [
 # two FMA units busy: 5 cycles' latency, two a cycle)
 OUTER_ROWS = 6
 _VECTORS = 2  # vectors of positions per tile row
-# elements of head_dim summed in registers before they are added to the scores in memory:
-# one chain over all 128 left scores 4x further from the float64 reference than the
-# dot-product tile's (which sums 16 per lane, then its lanes pairwise); spans of 16 keep
-# them as close (the attention tests' tolerance, 3e-5 on the output, failed without)
-_SPAN = 16
+# elements of head_dim summed in registers before they are added to the scores in memory
+# (the last span of a head_dim not a multiple of it shorter; the first span's sums are
+# stored, not added to zeros): one chain over all 128 left scores 4x further from the
+# float64 reference than the dot-product tile's (which sums 16 per lane, then its lanes
+# pairwise), and the attention tests' tolerance, 3e-5 on the output, failed. Spans of 16
+# were as close as the tile (mean error 1.06x its, on tests/test_cpu_prefill.py's data);
+# spans of 32, 1.23-1.27x (seeds 7, 1, 2, 3), and the 512-query prefill chunk over 4,096
+# positions 4% faster on the Zen 3 guest of 2026-12-07 (benchmarks/README.md, "The
+# prefill's score spans")
+_SPAN = 32
 
 
 def outer_columns(lanes):
@@ -166,8 +172,8 @@ def _make_outer(rows, lanes):
 
 
 def _outer_codegen(rows, lanes, context, builder, signature, args):
-    """The IR of :func:`_make_outer`'s tile: the pointers it reads and writes, its scores
-    zeroed, then :func:`_outer_loops`."""
+    """The IR of :func:`_make_outer`'s tile: the pointers it reads and writes, then
+    :func:`_outer_loops`."""
     qty, rty, tty, cty, sty, oty = signature.args
     qa, ta, sa = (
         context.make_array(t)(context, builder, a)
@@ -207,22 +213,21 @@ def _outer_codegen(rows, lanes, context, builder, signature, args):
         ],
         zero=ir.Constant(f32v, [0.0] * lanes),
     )
-    for ptr in g.targets:  # zeroed, then each span's sums added
-        builder.store(g.zero, ptr, align=4)
     _outer_loops(g)
 
 
 def _outer_loops(g):
-    """Spans of ``_SPAN`` elements of head_dim; in each, per ``d``, the tile's query
-    elements broadcast times the two vectors of ``kt[d]``, into sums held in registers,
-    added to the scores in memory at the span's end."""
+    """Spans of ``_SPAN`` elements of head_dim (the last, up to head_dim's end); in each,
+    per ``d``, the tile's query elements broadcast times the two vectors of ``kt[d]``, into
+    sums held in registers, stored as the scores at the first span's end and added to them
+    at every later one's."""
     builder, intp, lanes = g.builder, g.intp, g.lanes
     entry = builder.basic_block
     spans = builder.append_basic_block("outer.spans")
     loop = builder.append_basic_block("outer.d")
     tail = builder.append_basic_block("outer.span_end")
     done = builder.append_basic_block("outer.done")
-    builder.branch(spans)  # head_dim > 0, a multiple of _SPAN (tile_ok: of 16)
+    builder.branch(spans)  # head_dim > 0 (tile_ok: a multiple of 16)
     builder.position_at_end(spans)
     d0 = builder.phi(intp)
     builder.branch(loop)
@@ -241,19 +246,31 @@ def _outer_loops(g):
         w = splat(builder, builder.load(qptr, align=4), lanes)
         new.extend(fma(builder, w, kv[v], sums[i * _VECTORS + v]) for v in range(_VECTORS))
     d_next = builder.add(d, intp(1))
-    span_end = builder.add(d0, intp(_SPAN))
+    full = builder.add(d0, intp(_SPAN))  # the span's end, or head_dim's (a multiple of 16)
+    span_end = builder.select(builder.icmp_signed("<", full, g.dim), full, g.dim)
     builder.cbranch(builder.icmp_signed("<", d_next, span_end), loop, tail)
     d.add_incoming(d0, spans)
     d.add_incoming(d_next, loop)
     for phi, v in zip(sums, new, strict=True):
         phi.add_incoming(g.zero, spans)
         phi.add_incoming(v, loop)
-    builder.position_at_end(tail)  # the span's sums into s
+    builder.position_at_end(tail)  # the span's sums into s: the first stored as they are
+    first = builder.append_basic_block("outer.first_span")
+    later = builder.append_basic_block("outer.later_span")
+    stored = builder.append_basic_block("outer.stored")
+    builder.cbranch(builder.icmp_signed("==", d0, intp(0)), first, later)
+    builder.position_at_end(first)
+    for ptr, v in zip(g.targets, new, strict=True):
+        builder.store(v, ptr, align=4)
+    builder.branch(stored)
+    builder.position_at_end(later)  # the later ones added to what is there
     for ptr, v in zip(g.targets, new, strict=True):
         builder.store(builder.fadd(builder.load(ptr, align=4), v), ptr, align=4)
+    builder.branch(stored)
+    builder.position_at_end(stored)
     builder.cbranch(builder.icmp_signed("<", span_end, g.dim), spans, done)
     d0.add_incoming(intp(0), entry)
-    d0.add_incoming(span_end, tail)
+    d0.add_incoming(span_end, stored)
     builder.position_at_end(done)
 
 
