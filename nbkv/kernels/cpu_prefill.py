@@ -84,8 +84,8 @@ _VECTORS = 2  # vectors of positions per tile row
 # pairwise), and the attention tests' tolerance, 3e-5 on the output, failed. Spans of 16
 # were as close as the tile (mean error 1.06x its, on tests/test_cpu_prefill.py's data);
 # spans of 32, 1.23-1.27x (seeds 7, 1, 2, 3), and the 512-query prefill chunk over 4,096
-# positions 4% faster on the Zen 3 guest of 2026-12-07 (benchmarks/README.md, "The
-# prefill's score spans")
+# positions 4% faster on the Zen 3 guest of 2026-12-07 (benchmarks/README.md, "The Zen 3
+# guest again: the prefill's score spans")
 _SPAN = 32
 
 
