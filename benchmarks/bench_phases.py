@@ -153,7 +153,7 @@ def _timed(fn, *args) -> float:
 def _run_scores(qs, kb, s, block, kind, reps):
     for _ in range(reps):
         for j0 in range(0, kb.shape[0], block):
-            ca._scores(qs, kb[j0 : j0 + block], s, 0, kind, ca._k_ahead(kb))
+            ca._scores(qs, kb[j0 : j0 + block], s, 0, kind, ca._rows_ahead(kb))
 
 
 @njit
@@ -185,7 +185,7 @@ def _compose(qs, kb, vb, block, kind, out):
     acc = np.zeros((rows, dim), np.float32)
     for j0 in range(0, kb.shape[0], block):
         j1 = min(j0 + block, kb.shape[0])
-        ca._scores(qs, kb[j0:j1], s, 0, kind, ca._k_ahead(kb))
+        ca._scores(qs, kb[j0:j1], s, 0, kind, ca._rows_ahead(kb))
         ca._online_softmax(s, j1 - j0, m, denom, acc)
         ca._accumulate_block(s, vb[j0:j1], acc, kind, ca._AHEAD)
     for r in range(rows):

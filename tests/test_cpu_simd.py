@@ -8,6 +8,8 @@ Last, the online softmax step built on the row maximum against its float64 arith
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from numba import njit
@@ -17,7 +19,17 @@ from nbkv.dtypes import kernel_dtype, resolve_dtype, widen_table
 from nbkv.kernels import cpu_attention
 from nbkv.kernels.cpu_math import kind16
 from nbkv.kernels.cpu_paged_pages import accumulate_page, score_page
-from nbkv.kernels.cpu_simd import LANES, accumulate_rows, score_tile, tile_lanes, tile_ok
+from nbkv.kernels.cpu_simd import (
+    LANES,
+    accumulate_lines,
+    accumulate_pieces,
+    accumulate_rows,
+    accumulate_sweep,
+    packed,
+    score_tile,
+    tile_lanes,
+    tile_ok,
+)
 from nbkv.kernels.cpu_vector import row_max
 
 from conftest import cpu_only
@@ -50,6 +62,18 @@ def _tile(qs, r, kb, j, s, col, kind, ahead=0):
 @njit
 def _rows(s, r, vb, nb, acc, c0, kind, ahead):
     accumulate_rows(s, r, vb, nb, acc, c0, kind, ahead)
+
+
+@njit
+def _sweep(s, r, vb, nb, acc, c0, kind, ahead):
+    accumulate_sweep(s, r, vb, nb, acc, c0, kind, ahead)
+
+
+@njit
+def _fours(s, vb, acc, c0, kind):
+    """accumulate_rows over the whole of ``vb`` for every four rows of ``acc``."""
+    for r in range(0, acc.shape[0] - 3, 4):
+        accumulate_rows(s, r, vb, vb.shape[0], acc, c0, kind, 0)
 
 
 @njit
@@ -127,17 +151,55 @@ def test_accumulate_rows_matches_float64_and_leaves_other_rows(name, seed):
             w[r : r + 4, c0 : c0 + nb].astype(np.float64) @ np.abs(vb64[:nb])
         )
         results = []
-        for ahead in (0, 1, 64, -64):  # prefetching (either side) must not change a bit
+        # prefetching (either side, row by row or swept) must not change a bit
+        for ahead, fn in itertools.product((0, 1, 64, -64), (_rows, _sweep)):
             acc = acc0.copy()
-            _rows(w, r, vb, nb, acc, c0, kind, ahead)
+            fn(w, r, vb, nb, acc, c0, kind, ahead)
             results.append(acc)
             assert np.all(np.abs(acc[r : r + 4] - want[r : r + 4]) <= 1e-6 * scale), (dim, nb)
             others = np.ones(10, bool)
             others[r : r + 4] = False
             np.testing.assert_array_equal(acc[others], acc0[others])
-        np.testing.assert_array_equal(results[0], results[1])
-        np.testing.assert_array_equal(results[0], results[2])
-        np.testing.assert_array_equal(results[0], results[3])
+        for other in results[1:]:
+            np.testing.assert_array_equal(other, results[0])
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("seed", range(4))
+def test_v_passes_in_short_pieces_are_the_whole_pass_bit_for_bit(name, seed):
+    # accumulate_lines (pieces of 8 positions, a pass of a line at a time over column
+    # slices) and accumulate_pieces (pieces of 32, each sweeping the next in) against one
+    # accumulate_rows over the whole block for every four rows: the same multiply-adds in
+    # the same order, so the same bits, on every row of every four, and the rows left
+    # over (rows % 4) untouched. Every head_dim the tiles take (one pass to sixteen; 48
+    # and 80 not a multiple of 64), blocks shorter and longer than a piece, offset columns
+    rng = np.random.default_rng(500 + seed)
+    for dim in DIMS:
+        nb = int(rng.choice([1, 7, 8, 9, 31, 32, 33, int(rng.integers(1, 200))]))
+        rows = int(rng.integers(4, 11))
+        c0 = int(rng.integers(0, 5))
+        ahead = int(rng.choice([0, 8, 16, 40, -24]))
+        w = rng.random((rows, c0 + nb + 3)).astype(np.float32)
+        vb, vb64, kind = _stored(rng.standard_normal((nb, dim)).astype(np.float32), name)
+        acc0 = rng.standard_normal((rows, dim)).astype(np.float32)
+        want = acc0.copy()
+        _fours(w, vb, want, c0, kind)
+        full = rows - rows % 4
+        exact = acc0[:full].astype(np.float64) + w[:full, c0 : c0 + nb].astype(np.float64) @ vb64
+        assert np.abs(want[:full] - exact).max() <= 1e-5 * max(1.0, np.abs(exact).max())
+        lines, pieces = acc0.copy(), acc0.copy()
+        accumulate_lines(w, vb, lines, c0, kind, ahead)
+        assert packed(vb)
+        accumulate_pieces(w, vb, pieces, c0, kind)
+        for got in (lines, pieces):
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+            np.testing.assert_array_equal(got[full:], acc0[full:])
+
+
+def test_packed_names_rows_that_lie_one_after_another():
+    x = np.zeros((6, 32), np.float32)
+    assert packed(x) and packed(x[1:4]) and packed(np.zeros((3, 16), np.uint16))
+    assert not packed(x[::2]) and not packed(x[:, :16]) and not packed(x[:, ::2])
 
 
 def test_tile_ok_names_where_the_vector_paths_apply():

@@ -181,14 +181,15 @@ _SCRIPT = textwrap.dedent(
         got = nbkv.paged_attention(q, paged, 0, step, window=window)
         err = np.abs(got - want).max()
         assert err < 2e-5, (layout, dtype, err)
-    # narrower vectors than AVX-512's: the float32 V pass goes in pieces, each read in
-    # order first (touch_rows). Against the whole block in one pass of accumulate_rows
-    # (the path it replaces): the same multiply-adds in the same order, bit for bit, for
-    # blocks across the pieces' edges, rows left over, offset columns and strided rows
+    # narrower vectors than AVX-512's: the float32 V pass goes in pieces of 8 positions,
+    # a pass of a line at a time (accumulate_lines). Against the whole block in one pass
+    # of accumulate_rows (the path it replaces): the same multiply-adds in the same order,
+    # bit for bit, for blocks across the pieces' edges, rows left over, offset columns and
+    # strided rows
     from nbkv.kernels.cpu_simd import LANES, accumulate_rows, tile_lanes
 
     assert tile_lanes() < LANES and cpu_attention._LINE_PASSES  # both targets take it
-    assert cpu_attention._AHEAD_K32 == 16  # and prefetch float32 K 16 rows ahead
+    assert cpu_attention._AHEAD_32 == 16  # and prefetch float32 K and V 16 rows ahead
     # and take a prefill chunk's passes as matrix products
     from nbkv.kernels.cpu_prefill import accumulate_outer, applies, scores_outer, transpose_rows
 
@@ -196,9 +197,9 @@ _SCRIPT = textwrap.dedent(
     assert applies(rows9, k9, k9, rows9, 64)
 
     @njit
-    def whole(s, vb, acc, c0):
+    def whole(s, vb, acc, c0, kind=-1):
         for r in range(0, acc.shape[0] - 3, 4):
-            accumulate_rows(s, r, vb, vb.shape[0], acc, c0, -1, 0)
+            accumulate_rows(s, r, vb, vb.shape[0], acc, c0, kind, 0)
 
     # (positions, query rows, first column, heads in the pool, head_dim, rows ahead): 48
     # is one pass of 16 at a time, 64 four; 3 rows and ahead 0 take the plain path
@@ -219,6 +220,12 @@ _SCRIPT = textwrap.dedent(
         want = acc0.astype(np.float64) + s[:, c0:].astype(np.float64) @ vb.astype(np.float64)
         assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max())
         assert np.array_equal(pool[:, heads - 1], vb)  # read, never written
+        # float16 rows, packed: _accumulate_block sweeps them in pieces (accumulate_pieces)
+        half = vb.astype(np.float16).view(np.uint16)
+        got16, base16 = acc0.copy(), acc0.copy()
+        cpu_attention._accumulate_block(s[:, c0:], half, got16, 0, ahead or 64)
+        whole(s[:, c0:], half, base16, 0, 0)
+        assert np.array_equal(got16[:full].view(np.uint32), base16[:full].view(np.uint32))
         # the prefill's V pass (six rows at a time): the same sums, in the same order
         wide = acc0.copy()
         accumulate_outer(s, vb, wide, c0, -1)
@@ -286,12 +293,12 @@ def test_attention_matches_the_reference_on_other_x86_targets(tmp_path, name, fe
     assert not wider.intersection(seen), seen
 
 
-def test_the_score_pass_prefetches_float32_k_16_rows_on_only_where_the_v_pass_goes_in_line_passes():
-    # on this host's own target: AVX-512 keeps _AHEAD (64), narrower vectors 16 rows;
-    # 16-bit and float64 K keep _AHEAD everywhere
+def test_float32_k_and_v_are_prefetched_16_rows_on_only_where_the_v_pass_goes_in_line_passes():
+    # on this host's own target: AVX-512 keeps _AHEAD (64), narrower vectors 16 rows (K
+    # and V); 16-bit and float64 rows keep _AHEAD everywhere
     from nbkv.kernels import cpu_attention as ca
 
-    assert ca._AHEAD_K32 == (16 if ca._LINE_PASSES else ca._AHEAD)
-    assert ca._k_ahead(np.zeros((2, 16), np.float32)) == ca._AHEAD_K32
+    assert ca._AHEAD_32 == (16 if ca._LINE_PASSES else ca._AHEAD)
+    assert ca._rows_ahead(np.zeros((2, 16), np.float32)) == ca._AHEAD_32
     for dtype in (np.uint16, np.float64):
-        assert ca._k_ahead(np.zeros((2, 16), dtype)) == ca._AHEAD
+        assert ca._rows_ahead(np.zeros((2, 16), dtype)) == ca._AHEAD

@@ -21,10 +21,19 @@ from numba.extending import overload
 from .. import _config
 from .cpu import write_kv, write_kv_bshd
 from .cpu_loops import accumulate_4x8, scores_4x4, value_of
-from .cpu_math import exp32, kind16, prefetch_ahead, touch_rows, widen16
+from .cpu_math import exp_of, kind16, prefetch_ahead, widen16
 from .cpu_prefill import accumulate_outer, scores_outer, transpose_rows
 from .cpu_prefill import applies as outer_applies
-from .cpu_simd import LANES, accumulate_rows, score_tile, tile_lanes, tile_ok
+from .cpu_simd import (
+    LANES,
+    accumulate_lines,
+    accumulate_pieces,
+    accumulate_rows,
+    packed,
+    score_tile,
+    tile_lanes,
+    tile_ok,
+)
 from .cpu_vector import row_max
 
 __all__ = ["attend", "attend_serial", "attend_bshd", "append_attend", "append_attend_bshd"]
@@ -32,7 +41,7 @@ __all__ = ["attend", "attend_serial", "attend_bshd", "append_attend", "append_at
 # positions scored per step of the online softmax, for a chunk of more than _FEW_ROWS
 # query rows (a prefill chunk): a block of K (or V) rows, 32 KiB of float32 at head_dim
 # 128, stays in L1/L2 while every query row of the group uses it. Also the piece of a
-# longer block that a 16-bit cache's V pass takes at a time (_accumulate_block)
+# longer block that a 16-bit cache's V pass takes at a time on AVX-512 (_accumulate_block)
 _BLOCK = 64
 # query rows per chunk (group x queries): 128 rows of accumulators at head_dim 128 are
 # 64 KiB, which stay in L2 while the chunk walks the cache
@@ -50,34 +59,31 @@ _LONG_BLOCK = 512
 _LONG_BYTES = 256 * 1024
 # up to 32 rows: a decode step at any group up to 32 (Llama-3-405B's 16, Mistral Large's
 # 12), or a few queries at once (speculative decoding's checks: 4-8 queries at group 4).
-# More rows take cpu_prefill's matrix products where they apply (AVX2 and narrower), which
-# copy each block of 64 K rows transposed first: on the Zen 3 guest of 2026-12-07 the
-# tiles were 1.20-1.53x as fast at 12-16 rows, float32 and float16, 1.13-1.25x at 32
-# (benchmarks/probe_few_rows.py); at 48-64 rows an ad hoc probe found no more than its
-# noise (benchmarks/README.md, "bench_groups.py"); at 8 rows and fewer both were always
-# the tiles. cpu_paged imports it: Numba's disk cache does not see a change made here,
-# so touch cpu_paged.py with it (or delete the __pycache__ caches)
+# More rows take cpu_prefill's matrix products where they apply (AVX2 and narrower): on
+# the Zen 3 guest of 2026-12-07 the tiles were 1.20-1.53x as fast at 12-16 rows, 1.13-1.25x
+# at 32 (benchmarks/probe_few_rows.py); at 48-64 an ad hoc probe found no more than its
+# noise (benchmarks/README.md, "bench_groups.py"). cpu_paged imports it: Numba's disk
+# cache does not see a change made here, so touch cpu_paged.py with it
 _FEW_ROWS = 32
-# rows prefetched (into L2: cpu_math.PREFETCH_LOCALITY) ahead of the row computed, a few
-# lines per row spread over the arithmetic. A whole block prefetched at its start (1,024
-# lines at once) stalled: 32k float16 decode took 9.7 ms that way, 4.2 ms this way
+# rows prefetched (into L2: cpu_math.PREFETCH_LOCALITY) ahead of the row computed, spread
+# over the arithmetic (a whole block's 1,024 lines asked for at once stalled: 9.7 ms for
+# 32k float16 decode against 4.2)
 _AHEAD = 64
 
 # where the V pass's vectors are narrower than AVX-512's (tile_lanes: AVX2's 8 lanes, or
-# 4), each of its passes over a block reads one line of every row (8 passes at head_dim
-# 128, float32): _accumulate reads the rows in pieces of _BLOCK, each first touched in
-# memory order (cpu_math.touch_rows, which says what that saved)
+# 4), each of its passes over a block would read one line of every row (8 passes at
+# head_dim 128, float32): _accumulate_block takes the rows in short pieces instead, each
+# pass (float32: cpu_simd.accumulate_lines) or each position of a pass (16-bit:
+# accumulate_pieces) asking for rows ahead; those functions say what that saved
 _LINE_PASSES = tile_lanes() < LANES
-# float32 K rows prefetched ahead by the score pass on those targets: 16 rows (8 KiB at
-# head_dim 128) rather than _AHEAD. Measured on one CPU only, the Zen 2 guest of 2026-12-06
-# (AVX2; the vector width stands in for how the CPU serves prefetches, untimed on Intel
-# AVX2, Zen 3 or NEON): the K pass alone (scores and softmax, 8 heads x 32k, cold) took
-# 6.2-6.5 ms at 16 rows, 7.1-7.4 at 64, 6.7-6.8 with none, and the 32k float32 decode
-# step's paired share of the read went from 45.0-45.2% to 46.8-49.1% (two runs each,
-# alternating; 8 rows: 46.8%, no better; benchmarks/README.md, "On an AMD EPYC Zen 2").
+# float32 K and V rows prefetched ahead on those targets: 16 rows (8 KiB at head_dim 128)
+# rather than _AHEAD. On the Zen 2 guest of 2026-12-06 the K pass alone (scores and
+# softmax, 8 heads x 32k, cold) took 6.2-6.5 ms at 16 rows, 7.1-7.4 at 64, 6.7-6.8 with
+# none (8 rows: no better; benchmarks/README.md, "On an AMD EPYC Zen 2"); on the Zen 3
+# guest of 2026-12-07 accumulate_lines did as well at 8-16 rows ahead and worse at 24-32.
 # 16-bit K keeps _AHEAD: with K and V both at 16 rows the float16 step took 7.4-7.5 ms
-# against 6.4-6.6 at 64 (K alone at 16 not timed)
-_AHEAD_K32 = 16 if _LINE_PASSES else _AHEAD
+# against 6.4-6.6 at 64 (Zen 2)
+_AHEAD_32 = 16 if _LINE_PASSES else _AHEAD
 
 
 def _rows(src, table, buf):
@@ -211,7 +217,7 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
     block = _block_size(size, dim * k_cache.itemsize)  # positions per softmax step
     s_buf = np.empty((size, block), q.dtype)  # a block's scores, then weights
     k_rows, v_rows = k_cache[b, kvh], v_cache[b, kvh]
-    k_ahead = _k_ahead(k_cache)
+    ahead = _rows_ahead(k_cache)  # rows prefetched ahead, K's and V's (the same dtype)
     # chunks of more than _FEW_ROWS rows take their passes as matrix products where
     # vectors are narrower than AVX-512's (cpu_prefill): K's block copied transposed into kt
     outer = size > _FEW_ROWS and outer_applies(qs_buf, k_rows, v_rows, acc_buf, block)
@@ -242,8 +248,8 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
             if wide:
                 transpose_rows(k_rows[j0:j1], kind, kt)
                 scores_outer(qs, kt, s, 0, nb)
-            else:  # the rows k_ahead past each one start on their way while it is computed
-                _scores(qs, k_rows[j0:j1], s, 0, kind, k_ahead)
+            else:  # the rows `ahead` past each one start on their way while it is computed
+                _scores(qs, k_rows[j0:j1], s, 0, kind, ahead)
             if j0 < all_lo or j1 > all_hi:
                 # a block at the edge of the causal mask or the window: mask per row
                 _mask(s, nb, j0, p0, n_c, causal, window)
@@ -251,7 +257,7 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
             if wide:
                 accumulate_outer(s, v_rows[j0:j1], acc, 0, kind)
             else:
-                _accumulate_block(s, v_rows[j0:j1], acc, kind, _AHEAD)
+                _accumulate_block(s, v_rows[j0:j1], acc, kind, ahead)
         for r in range(rows):
             h = kvh * group + r // n_c
             inv = 1.0 / denom[r]  # inf when nothing was finite: 0 * inf = NaN out
@@ -260,10 +266,10 @@ def _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out
 
 
 @njit(cache=True)
-def _k_ahead(k_rows):
-    """Rows ahead that the score pass prefetches over ``k_rows``: :data:`_AHEAD_K32` for
-    float32 K, :data:`_AHEAD` for any other (16-bit bits, float64)."""
-    return _AHEAD_K32 if k_rows.itemsize == 4 else _AHEAD
+def _rows_ahead(rows):
+    """Rows ahead that the score and V passes prefetch over cached ``rows``:
+    :data:`_AHEAD_32` for float32, :data:`_AHEAD` for any other (16-bit bits, float64)."""
+    return _AHEAD_32 if rows.itemsize == 4 else _AHEAD
 
 
 @njit(cache=True)
@@ -290,19 +296,6 @@ def _mask(s, nb, j0, first, n_q, causal, window):
                 s[r, j] = -np.inf
 
 
-def _exp(x):
-    """exp(x) in x's precision: float32 by :func:`nbkv.kernels.cpu_math.exp32` (which
-    vectorises), float64 by ``np.exp``. By the overload."""
-    raise NotImplementedError  # pragma: no cover - only called from compiled code
-
-
-@overload(_exp, jit_options={"cache": True})
-def _exp_impl(x):
-    if x == types.float32:
-        return lambda x: exp32(x)
-    return lambda x: np.exp(x)
-
-
 @njit(cache=True, fastmath=_config.FASTMATH, error_model="numpy")
 def _online_softmax(s, nb, m, denom, acc):
     """One block of the streaming softmax: per row, raise the running maximum ``m`` to the
@@ -313,10 +306,11 @@ def _online_softmax(s, nb, m, denom, acc):
     The loops over the block are branch-free and keep their sums in locals, so that they
     vectorise: the maximum by :func:`nbkv.kernels.cpu_vector.row_max` (vectors of partial
     maxima; the loop vectoriser leaves a maximum by select scalar without ``nnan``, which
-    NaN scores forbid), the weights by :func:`_exp` (a float32 ``exp`` that vectorises;
-    ``np.exp`` stays a scalar libm call here). Elements are indexed in
-    two dimensions, never through row views: a view costs a reference count taken and
-    dropped, two atomic operations per row per block (a fifth of this function's time).
+    NaN scores forbid), the weights by :func:`~nbkv.kernels.cpu_math.exp_of` (a float32
+    ``exp`` that vectorises; ``np.exp`` stays a scalar libm call here). Elements are
+    indexed in two dimensions, never through row views: a view costs a reference count
+    taken and dropped, two atomic operations per row per block (a fifth of this
+    function's time).
     """
     dim = acc.shape[1]
     for r in range(s.shape[0]):
@@ -333,7 +327,7 @@ def _online_softmax(s, nb, m, denom, acc):
         if block_max > m[r]:  # never for a NaN m: acc is left, the NaN weights poison it
             # rescale what was accumulated under the old maximum (exp(-inf) = 0); most
             # blocks of a long walk do not raise it, and skip this scalar exp
-            correction = _exp(m[r] - block_max)
+            correction = exp_of(m[r] - block_max)
             if correction != 1.0:
                 for d in range(dim):
                     acc[r, d] *= correction
@@ -342,7 +336,7 @@ def _online_softmax(s, nb, m, denom, acc):
         m_new = m[r]
         total = s.dtype.type(0.0)
         for j in range(nb):
-            w = _exp(s[r, j] - m_new)  # NaN scores give NaN weights: NaN output
+            w = exp_of(s[r, j] - m_new)  # NaN scores give NaN weights: NaN output
             s[r, j] = w
             total += w
         denom[r] += total
@@ -365,22 +359,17 @@ def _accumulate(s, vb, acc, c0, kind=-1, ahead=0):
     Where the vectors are narrower than AVX-512's (``_LINE_PASSES``: 8 lanes on AVX2, 4
     on SSE or NEON), each of ``accumulate_rows``' passes reads one 64-byte line of every
     row. float32 rows that come from memory (the caller asks for rows ahead: ``ahead``
-    not 0; a quantized kernel's freshly widened buffer does not) then go in pieces of
-    ``_BLOCK``, each first read in memory order (:func:`~nbkv.kernels.cpu_math.touch_rows`,
-    which says what it saved) and passed over while in L1 and L2, with no prefetch: the
-    same multiply-adds in the same order as one call over the whole block, bit for bit
-    (``tests/test_cpu_targets.py``).
+    not 0; a quantized kernel's freshly widened buffer does not) then go by
+    :func:`~nbkv.kernels.cpu_simd.accumulate_lines`: pieces of 8 positions, pass by pass,
+    each pass prefetching its share of the rows ``ahead`` on. The same multiply-adds in
+    the same order as one call over the whole block, bit for bit (test_cpu_targets.py).
     """
     rows, dim = acc.shape
     nb = vb.shape[0]
     r = 0
     if tile_ok(acc, vb) and nb > 0:  # four rows at a time in vector IR (cpu_simd)
         if _LINE_PASSES and vb.itemsize == 4 and ahead != 0 and rows >= 4:
-            for c in range(0, nb, _BLOCK):
-                piece = vb[c : min(c + _BLOCK, nb)]
-                touch_rows(piece)
-                for t in range(0, rows - 3, 4):
-                    accumulate_rows(s, t, piece, piece.shape[0], acc, c0 + c, kind, 0)
+            accumulate_lines(s, vb, acc, c0, kind, ahead)
             r = rows - rows % 4
         while r + 4 <= rows:
             accumulate_rows(s, r, vb, nb, acc, c0, kind, ahead if r == 0 else 0)
@@ -422,15 +411,23 @@ def _accumulate(s, vb, acc, c0, kind=-1, ahead=0):
 def _accumulate_block(s, vb, acc, kind=-1, ahead=0):
     """A block's V pass: :func:`_accumulate` of ``s[:, :len(vb)]`` times the rows ``vb``.
     32- and 64-bit rows in one call (which, on targets narrower than AVX-512, takes float32
-    rows in pieces itself); 16-bit rows (``kind`` >= 0) in pieces of ``_BLOCK``
-    positions, so that what a piece's passes over head_dim read again (16 KiB at head_dim
-    128) is still in L1, while the block's scores and softmax run over all of it at once
-    (their per-block costs spread over 512 positions). The same multiply-adds in the same
-    order either way (the accumulators go to memory between pieces): the same result, bit
-    for bit, on the vector path. Mutates ``acc``."""
-    nb = vb.shape[0]
+    rows in pieces itself); 16-bit rows (``kind`` >= 0) in pieces, so that what a piece's
+    passes over head_dim read again is still in L1, while the block's scores and softmax
+    run over all of it at once (their per-block costs spread over 512 positions): on
+    targets narrower than AVX-512, rows one after another, by
+    :func:`~nbkv.kernels.cpu_simd.accumulate_pieces` (pieces of 32 positions, each
+    sweeping the next into the caches); otherwise in pieces of ``_BLOCK`` (16 KiB at
+    head_dim 128) by :func:`_accumulate`, their rows prefetched ``ahead``. The same
+    multiply-adds in the same order every way (the accumulators go to memory between
+    pieces): the same result, bit for bit, on the vector path. Mutates ``acc``."""
+    nb, rows = vb.shape[0], acc.shape[0]
     if kind < 0:
         _accumulate(s, vb, acc, 0, kind, ahead)
+        return
+    if _LINE_PASSES and ahead != 0 and rows >= 4 and tile_ok(acc, vb) and packed(vb):
+        accumulate_pieces(s, vb, acc, 0, kind)  # the next piece swept in as each goes
+        if rows % 4:  # the rows left over
+            _accumulate(s[rows - rows % 4 :], vb, acc[rows - rows % 4 :], 0, kind, 0)
         return
     for c in range(0, nb, _BLOCK):
         _accumulate(s, vb[c : min(c + _BLOCK, nb)], acc, c, kind, ahead)
@@ -462,9 +459,8 @@ def attend_serial(q, k_cache, v_cache, seq_len, scale, causal, window, table, ou
         _attend_task(q, k_cache, v_cache, seq_len, scale, causal, window, table, out, task)
 
 
-# the wrappers below are not cache=True: a cached function that calls a parallel one
-# crashed when Numba loaded it back from its on-disk cache (numba 0.68). nbkv's own
-# dispatch calls the cached kernels above directly; these serve users' @njit code.
+# not cache=True: a cached function calling a parallel one crashed when loaded back from
+# Numba's disk cache (numba 0.68). These serve users' @njit code; nbkv calls those above
 @njit
 def attend_bshd(q, k_cache, v_cache, seq_len, scale, causal, window, table, out):
     """:func:`attend` for a "bshd" cache: k_cache, v_cache [batch, >= seq_len, num_kv_heads,

@@ -39,10 +39,11 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit
 from numba.core import cgutils, config, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 __all__ = [
     "exp32",
+    "exp_of",
     "widen16",
     "kind16",
     "bits32",
@@ -201,6 +202,19 @@ def exp32(x):
     return y if x == x else x  # NaN in, NaN out
 
 
+def exp_of(x):
+    """exp(x) in x's precision: float32 by :func:`exp32` (which vectorises), float64 by
+    ``np.exp``. By the overload."""
+    raise NotImplementedError  # pragma: no cover - only called from compiled code
+
+
+@overload(exp_of, jit_options={"cache": True})
+def _exp_of_impl(x):
+    if x == types.float32:
+        return lambda x: exp32(x)
+    return lambda x: np.exp(x)
+
+
 @njit(cache=True)
 def widen16(u, kind):
     """The float32 value of 16-bit float bits ``u`` (uint16): float16 when ``kind`` is 0
@@ -298,8 +312,11 @@ def touch_rows(x):
     18 GB/s for the same bytes read in order; software prefetches changed nothing there
     (:data:`PREFETCH_LOCALITY` 0, 1 or 3, distances 16 to 256 rows). Read in pieces of 64
     rows, each first touched by this, the 32k float32 decode step took 14.1 ms against
-    17.1 (``benchmarks/README.md``, "On an AMD EPYC Zen 2"). Unit-stride rows get every
-    line read; rows whose elements are strided, one per ``64 // itemsize`` elements."""
+    17.1 (``benchmarks/README.md``, "On an AMD EPYC Zen 2"). The paged kernels' runs
+    still read their pages' rows this way; the contiguous kernel's V pass has since gone
+    to :func:`nbkv.kernels.cpu_simd.accumulate_lines`, whose reads overlap its arithmetic
+    (the touch and the passes here take turns). Unit-stride rows get every line read;
+    rows whose elements are strided, one per ``64 // itemsize`` elements."""
     step = max(1, 64 // x.itemsize)  # elements per 64-byte line
     last = x.shape[1] - 1  # a row's last element: its last line, where rows straddle two
     if last < 0:

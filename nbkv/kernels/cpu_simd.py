@@ -40,11 +40,29 @@ from numba import njit
 from numba.core import types
 from numba.extending import intrinsic, overload
 
+from .. import _config
+from .cpu_math import prefetch
 from .cpu_simd_ir import accumulate_codegen, tile_codegen
 from .cpu_vector import LANES, stored_type, tile_lanes, typed_2d
 
 # LANES and tile_lanes are cpu_vector's, named here too (where they were first)
-__all__ = ["LANES", "accumulate_rows", "score_tile", "tile_lanes", "tile_ok"]
+__all__ = [
+    "LANES",
+    "accumulate_lines",
+    "accumulate_pieces",
+    "accumulate_rows",
+    "accumulate_sweep",
+    "packed",
+    "score_tile",
+    "tile_lanes",
+    "tile_ok",
+]
+
+# positions per piece of accumulate_lines: 4 KiB of float32 rows at head_dim 128, whose
+# eight passes of a line each read it all before the next piece starts
+LINE_PIECE = 8
+# positions per piece of accumulate_pieces: 8 KiB of 16-bit rows at head_dim 128
+SWEEP_PIECE = 32
 
 
 def _make_tile(fmt):
@@ -143,7 +161,7 @@ def _tile_ok_impl(qs, kb):
     return lambda qs, kb: _shapes_ok(qs, kb)
 
 
-def _make_accumulate(fmt, chunks):
+def _make_accumulate(fmt, chunks, sweep=False):
     """The accumulate intrinsic for V rows stored as ``fmt``, ``chunks`` x 16 elements of
     head_dim per pass (4: head_dim a multiple of 64; 1: of 16). Narrower targets
     (:func:`tile_lanes` below 16) take passes of two of their vectors, 16 or 8 elements,
@@ -155,7 +173,7 @@ def _make_accumulate(fmt, chunks):
             return None
 
         def codegen(context, builder, signature, args):
-            accumulate_codegen(fmt, chunks, context, builder, signature, args)
+            accumulate_codegen(fmt, chunks, context, builder, signature, args, sweep=sweep)
             return context.get_dummy_value()
 
         return types.none(s, r, vb, nb, acc, c0, ahead), codegen
@@ -164,14 +182,11 @@ def _make_accumulate(fmt, chunks):
 
 
 _ACCUMULATE = {
-    (fmt, chunks): _make_accumulate(fmt, chunks)
+    (fmt, chunks, sweep): _make_accumulate(fmt, chunks, sweep)
     for fmt in ("f32", "f16", "bf16", "u8")
     for chunks in (1, 4)
+    for sweep in (False, True)
 }
-_acc_f32_1, _acc_f32_4 = _ACCUMULATE["f32", 1], _ACCUMULATE["f32", 4]
-_acc_f16_1, _acc_f16_4 = _ACCUMULATE["f16", 1], _ACCUMULATE["f16", 4]
-_acc_bf16_1, _acc_bf16_4 = _ACCUMULATE["bf16", 1], _ACCUMULATE["bf16", 4]
-_acc_u8_1, _acc_u8_4 = _ACCUMULATE["u8", 1], _ACCUMULATE["u8", 4]
 
 
 def accumulate_rows(s, r, vb, nb, acc, c0, kind, ahead):
@@ -185,35 +200,128 @@ def accumulate_rows(s, r, vb, nb, acc, c0, kind, ahead):
     raise NotImplementedError  # pragma: no cover - only called from compiled code
 
 
+def accumulate_sweep(s, r, vb, nb, acc, c0, kind, ahead):
+    """:func:`accumulate_rows`, the same sums in the same order, but ``ahead`` not 0
+    prefetches the ``nb`` rows from row ``ahead`` on in memory order, a share at each
+    position of each pass (one pass's width of bytes): the passes over head_dim sweep
+    them once in all, so that a caller going through a long run of contiguous rows in
+    pieces has the next piece on its way while it computes this one. Only for rows
+    stored one after another (``vb``'s row stride its row's bytes). By the overload."""
+    raise NotImplementedError  # pragma: no cover - only called from compiled code
+
+
+def _accumulate_impl(sweep):
+    """The overload of :func:`accumulate_rows` (``sweep`` False) or
+    :func:`accumulate_sweep`: the intrinsic for ``vb``'s format, and passes of 64
+    elements where head_dim is a multiple of 64, of 16 otherwise."""
+
+    def impl(s, r, vb, nb, acc, c0, kind, ahead):
+        if not _types_ok(acc, vb):
+            return lambda s, r, vb, nb, acc, c0, kind, ahead: None  # tile_ok is False
+        if vb.dtype in (types.float32, types.uint8):
+            fmt = "f32" if vb.dtype == types.float32 else "u8"
+            four_, one_ = _ACCUMULATE[fmt, 4, sweep], _ACCUMULATE[fmt, 1, sweep]
+
+            def rows32(s, r, vb, nb, acc, c0, kind, ahead):
+                if acc.shape[1] % (4 * LANES) == 0:
+                    four_(s, r, vb, nb, acc, c0, ahead)
+                else:
+                    one_(s, r, vb, nb, acc, c0, ahead)
+
+            return rows32
+        f16_4, f16_1 = _ACCUMULATE["f16", 4, sweep], _ACCUMULATE["f16", 1, sweep]
+        bf16_4, bf16_1 = _ACCUMULATE["bf16", 4, sweep], _ACCUMULATE["bf16", 1, sweep]
+
+        def rows16(s, r, vb, nb, acc, c0, kind, ahead):
+            four = acc.shape[1] % (4 * LANES) == 0
+            if kind == 0:
+                if four:
+                    f16_4(s, r, vb, nb, acc, c0, ahead)
+                else:
+                    f16_1(s, r, vb, nb, acc, c0, ahead)
+            elif four:
+                bf16_4(s, r, vb, nb, acc, c0, ahead)
+            else:
+                bf16_1(s, r, vb, nb, acc, c0, ahead)
+
+        return rows16
+
+    return impl
+
+
 # inline="always" too: the paged kernels call it for every page and head; runs of 16 rows
 # in L2 took 44 ns a position and head with the call, 40 without (Zen 2; cpu_paged_pages)
-@overload(accumulate_rows, inline="always", jit_options={"cache": True})
-def _accumulate_rows_impl(s, r, vb, nb, acc, c0, kind, ahead):
-    if not _types_ok(acc, vb):
-        return lambda s, r, vb, nb, acc, c0, kind, ahead: None  # tile_ok is False
-    if vb.dtype in (types.float32, types.uint8):
-        four_, one_ = (
-            (_acc_f32_4, _acc_f32_1) if vb.dtype == types.float32 else (_acc_u8_4, _acc_u8_1)
-        )
+overload(accumulate_rows, inline="always", jit_options={"cache": True})(_accumulate_impl(False))
+overload(accumulate_sweep, inline="always", jit_options={"cache": True})(_accumulate_impl(True))
 
-        def rows32(s, r, vb, nb, acc, c0, kind, ahead):
-            if acc.shape[1] % (4 * LANES) == 0:
-                four_(s, r, vb, nb, acc, c0, ahead)
-            else:
-                one_(s, r, vb, nb, acc, c0, ahead)
 
-        return rows32
+@njit(cache=True, inline="always", fastmath=_config.FASTMATH)
+def accumulate_lines(s, vb, acc, c0, kind, ahead):
+    """:func:`accumulate_rows` for every four of ``acc``'s rows (``rows - rows % 4`` of
+    them), where the vectors are narrower than AVX-512's: there a pass of the IR holds
+    one 64-byte line of float32 (16 elements of head_dim) of four rows' accumulators, and
+    a pass over a whole block would read one line of every row, 512 bytes apart at
+    head_dim 128, a stride the memory serves at half the speed of rows read in order
+    (the Zen 2 guest of 2026-12-06: 7.4 GB/s a thread against 18).
 
-    def rows16(s, r, vb, nb, acc, c0, kind, ahead):
-        four = acc.shape[1] % (4 * LANES) == 0
-        if kind == 0:
-            if four:
-                _acc_f16_4(s, r, vb, nb, acc, c0, ahead)
-            else:
-                _acc_f16_1(s, r, vb, nb, acc, c0, ahead)
-        elif four:
-            _acc_bf16_4(s, r, vb, nb, acc, c0, ahead)
-        else:
-            _acc_bf16_1(s, r, vb, nb, acc, c0, ahead)
+    So the rows go in pieces of :data:`LINE_PIECE` positions (4 KiB of float32 at head_dim
+    128), pass after pass of a line over each piece, and each pass prefetches its share
+    of the piece's rows ``ahead`` positions on, every line of them (at ``vb``'s row
+    stride; a prefetch never faults past its ends): the reads of the rows ahead are asked
+    for a few at a time while the arithmetic runs. The same multiply-adds in the same
+    order as one call over the whole block, bit for bit (the accumulators go to memory
+    between pieces; ``tests/test_cpu_targets.py``). ``vb``: float32 rows (16-bit ones too,
+    though their passes are slower this way than a whole block's: the kernels do not send
+    them); ``tile_ok`` must hold for ``(acc, vb)``. Mutates ``acc``.
 
-    return rows16
+    On the Zen 3 guest of 2026-12-07 the 32k float32 decode step took 8-10% less time
+    this way than with each piece of 64 rows first read in memory order and then passed
+    over from L1 (its reads and arithmetic took turns), and pieces of 8 with rows 8-16
+    ahead did better than pieces of 4 or 16 and rows 24-32 ahead (benchmarks/README.md,
+    "The Zen 3 guest again: the V pass's pieces")."""
+    rows, dim = acc.shape
+    nb = vb.shape[0]
+    passes = dim // LANES  # passes of a line of float32 (tile_ok: dim a multiple of 16)
+    step = max(1, 64 // vb.itemsize)  # elements per 64-byte line of vb
+    for c in range(0, nb, LINE_PIECE):
+        n = min(LINE_PIECE, nb - c)
+        piece = vb[c : c + n]
+        for p in range(passes):
+            first = c + ahead + p * LINE_PIECE // passes  # this pass's rows ahead
+            for t in range(first, c + ahead + (p + 1) * LINE_PIECE // passes):
+                for d in range(0, dim, step):
+                    prefetch(vb, t, d)
+            d = p * LANES
+            for r in range(0, rows - 3, 4):
+                accumulate_rows(s, r, piece[:, d : d + LANES], n, acc[:, d : d + LANES],
+                                c0 + c, kind, 0)  # fmt: skip
+
+
+@njit(cache=True)
+def packed(x):
+    """Whether the rows of ``x`` ([rows, n]) lie one after another, with no gap (the
+    rows :func:`accumulate_sweep` sweeps in)."""
+    return x.strides[1] == x.itemsize and x.strides[0] == x.shape[1] * x.itemsize
+
+
+@njit(cache=True, fastmath=_config.FASTMATH)
+def accumulate_pieces(s, vb, acc, c0, kind):
+    """:func:`accumulate_sweep` for every four of ``acc``'s rows (``rows - rows % 4`` of
+    them) over ``vb`` in pieces of :data:`SWEEP_PIECE` positions, each piece's first four
+    rows sweeping the next piece into the caches as they go: 16-bit rows stored one after
+    another (``vb``'s row stride its row's bytes), where the vectors are narrower than
+    AVX-512's. The same sums in the same order as one :func:`accumulate_rows` over the
+    whole block, bit for bit (``tests/test_cpu_targets.py``). Mutates ``acc``.
+
+    On the Zen 3 guest of 2026-12-07 a float16 V pass alone over 8 heads x 32k took 3.4-4.4
+    ms this way (pieces of 16 to 64, the next one or two swept) against 5.1-6.1 in pieces
+    of 64 whose passes each prefetched their own line of the row 64 on, the way it went
+    before (the read of the same bytes: 2.7-3.0 ms). For float32 rows
+    :func:`accumulate_lines` did better (6.7 ms against 7.2-7.9)."""
+    rows = acc.shape[0]
+    nb = vb.shape[0]
+    for c in range(0, nb, SWEEP_PIECE):
+        piece = vb[c : min(c + SWEEP_PIECE, nb)]
+        n = piece.shape[0]
+        for r in range(0, rows - 3, 4):
+            accumulate_sweep(s, r, piece, n, acc, c0 + c, kind, n if r == 0 else 0)

@@ -225,7 +225,7 @@ def tile_loops(g, krows, far):
     return sums
 
 
-def accumulate_codegen(fmt, chunks, context, builder, signature, args, rows=TILE):
+def accumulate_codegen(fmt, chunks, context, builder, signature, args, rows=TILE, sweep=False):
     """The IR of :func:`~nbkv.kernels.cpu_simd.accumulate_rows` (``rows`` rows from
     ``r``: 4 there, 1 to 6 for :func:`nbkv.kernels.cpu_prefill.accumulate_outer`): two
     copies of its loops, with prefetches and without, chosen once by ``ahead`` (no test
@@ -251,6 +251,7 @@ def accumulate_codegen(fmt, chunks, context, builder, signature, args, rows=TILE
         c0=context.cast(builder, args[5], cty, types.intp),
         ahead=context.cast(builder, args[6], hty, types.intp),
         done=builder.append_basic_block("acc.done"),
+        sweep=sweep,
     )
     with_pf = builder.append_basic_block("acc.prefetching")
     plain = builder.append_basic_block("acc.plain")
@@ -292,9 +293,18 @@ def accumulate_loops(g, with_prefetch):
     j = builder.phi(intp)  # the position
     sums = [[builder.phi(f32v) for _ in range(chunks)] for _ in g.rows]
     vrow = row_pointer(context, builder, vty, va, j, d)
-    if with_prefetch:  # this pass's lines of row j + ahead
+    pass_bytes = lanes * chunks * vsize  # of a row, per pass
+    if with_prefetch and g.sweep:
+        # the n rows from row `ahead` on, in memory order (contiguous rows): pass p's
+        # position j asks for bytes (p * n + j) * pass_bytes of them, so that the passes
+        # sweep them once in all
+        at = builder.mul(builder.mul(g.n, d), intp(vsize))  # pass p's share starts here
+        at = builder.add(at, builder.mul(j, intp(pass_bytes)))
+        far = builder.gep(row_pointer(context, builder, vty, va, g.ahead, intp(0)), [at])
+    elif with_prefetch:  # this pass's lines of row j + ahead
         far = builder.gep(vrow, [builder.mul(g.ahead, vstride)])
-        for line in range(0, lanes * chunks * vsize, 64):
+    if with_prefetch:
+        for line in range(0, pass_bytes, 64):
             prefetch_ir(builder, builder.gep(far, [intp(line)]))
     v = [
         load_lanes(builder, builder.gep(vrow, [intp(lanes * c * vsize)]), g.fmt, lanes)
