@@ -274,11 +274,12 @@ def accumulate_lines(s, vb, acc, c0, kind, ahead):
     though their passes are slower this way than a whole block's: the kernels do not send
     them); ``tile_ok`` must hold for ``(acc, vb)``. Mutates ``acc``.
 
-    On the Zen 3 guest of 2026-12-07 the 32k float32 decode step took 8-10% less time
-    this way than with each piece of 64 rows first read in memory order and then passed
-    over from L1 (its reads and arithmetic took turns), and pieces of 8 with rows 8-16
-    ahead did better than pieces of 4 or 16 and rows 24-32 ahead (benchmarks/README.md,
-    "The Zen 3 guest again: the V pass's pieces")."""
+    On the Zen 3 guest of 2026-12-07 the 32k float32 decode step's share of a plain read
+    of K and V rose this way in eight paired runs of nine (0.73-0.80 to 0.79-0.89), against
+    each piece of 64 rows first read in memory order and then passed over from L1 (its
+    reads and arithmetic took turns); pieces of 8 with rows 8-16 ahead did better than
+    pieces of 4 or 16 and rows 24-32 ahead (benchmarks/README.md, "The Zen 3 guest again:
+    the V pass's reads and arithmetic overlap")."""
     rows, dim = acc.shape
     nb = vb.shape[0]
     passes = dim // LANES  # passes of a line of float32 (tile_ok: dim a multiple of 16)
