@@ -5,7 +5,8 @@ A decode step walks the cache in blocks. Per block and KV head the kernel
 (``nbkv.kernels.cpu_attention``) scores the block's K rows against the group's query rows
 (``_scores``), turns the scores into weights (``_online_softmax``) and adds the weighted V
 rows into the accumulators (``_accumulate_block``: ``_accumulate`` over the block, or in
-pieces of 64 positions for 16-bit V). This script times each of the three alone,
+pieces for 16-bit V: of 32 positions, each sweeping the next in, where vectors are
+narrower than AVX-512's, of 64 otherwise). This script times each of the three alone,
 on one thread, over K/V that stay in the CPU's caches (1,024 positions: 512 KiB of float32
 K, half that at 16 bits), so that memory is out of the figure. It does this for float32,
 float16 and bfloat16 caches, with the block size the kernel takes for each. The figure is
@@ -171,7 +172,7 @@ def _run_softmax(s, m, denom, acc, block, positions, reps):
 def _run_accumulate(s, vb, acc, block, kind, reps):
     for _ in range(reps):
         for j0 in range(0, vb.shape[0], block):
-            ca._accumulate_block(s, vb[j0 : j0 + block], acc, kind, ca._AHEAD)
+            ca._accumulate_block(s, vb[j0 : j0 + block], acc, kind, ca._rows_ahead(vb))
 
 
 @njit
@@ -187,7 +188,7 @@ def _compose(qs, kb, vb, block, kind, out):
         j1 = min(j0 + block, kb.shape[0])
         ca._scores(qs, kb[j0:j1], s, 0, kind, ca._rows_ahead(kb))
         ca._online_softmax(s, j1 - j0, m, denom, acc)
-        ca._accumulate_block(s, vb[j0:j1], acc, kind, ca._AHEAD)
+        ca._accumulate_block(s, vb[j0:j1], acc, kind, ca._rows_ahead(vb))
     for r in range(rows):
         out[r] = acc[r] / denom[r]
 

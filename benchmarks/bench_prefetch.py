@@ -18,9 +18,9 @@ copies cycled so that no call finds them in the caches:
   ``cpu_attention._block_size``), summed, with no prefetch.
 - ``blocks + prefetch``: the same, each row prefetching the row ``_AHEAD`` on as the
   kernel does on AVX-512 targets (the library's own ``prefetch_ahead``; on narrower ones
-  the kernel prefetches float32 K 16 rows on, ``_AHEAD_K32``, and reads float32 V in
-  pieces, each touched in order first, with no prefetch: this contender is then not the
-  kernel's order).
+  the kernel prefetches float32 K 16 rows on, ``_AHEAD_32``, and reads float32 V in
+  pieces of 8 positions, a line of head_dim a pass, each pass prefetching rows 16 on
+  (``cpu_simd.accumulate_lines``): this contender is then not the kernel's order).
 - ``blocks + page prefetch``: the same, but only one line of each 4 KiB ahead is asked
   for (a prefetch per eight rows of 512 bytes): the prefetches' number, not their
   presence.

@@ -131,8 +131,8 @@ def test_long_blocks_match_the_reference_and_the_64_position_blocks(
 ):
     """A chunk of at most 32 query rows per KV head (a decode step at a group up to 32,
     or a few queries) walks blocks of up to 512 positions (cpu_attention._block_size;
-    over 16-bit K/V, the V pass of a block in pieces of 64), every other chunk blocks of
-    64 (where cpu_prefill applies, as matrix products). The short chunk against the
+    over 16-bit K/V, the V pass of a block in pieces of 32 or 64), every other chunk
+    blocks of 64 (where cpu_prefill applies, as matrix products). The short chunk against the
     float64 reference, and against the same queries as the last of a chunk of more than
     32 rows (earlier queries before them): each query's output depends on its position
     alone."""

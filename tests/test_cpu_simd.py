@@ -259,10 +259,12 @@ def test_block_functions_agree_with_the_plain_loops_they_replace(name, seed):
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("nb", [1, 8, 63, 64, 65, 127, 200, 512])
 def test_a_blocks_v_pass_in_pieces_is_the_whole_pass_bit_for_bit(name, nb):
-    # _accumulate_block takes 16-bit V in pieces of _BLOCK positions (the accumulators
-    # stored and loaded between pieces) and other rows in one call: the same multiply-adds
-    # in the same order as one _accumulate over the block, so the same bits, on the vector
-    # path (unit-stride rows) and on the plain loops (strided rows), prefetching or not.
+    # _accumulate_block takes 16-bit V in pieces (of 32 positions by accumulate_pieces for
+    # unit-stride rows where vectors are narrower than AVX-512's, otherwise of _BLOCK; the
+    # accumulators stored and loaded between pieces) and other rows in one call: the same
+    # multiply-adds in the same order as one _accumulate over the block, so the same bits,
+    # on the vector path (unit-stride rows) and on the plain loops (strided rows),
+    # prefetching or not.
     # Five rows: the four-row passes and a row left over; scores wider than the block
     rng = np.random.default_rng(300 + nb)
     dim = 128

@@ -226,6 +226,11 @@ _SCRIPT = textwrap.dedent(
         cpu_attention._accumulate_block(s[:, c0:], half, got16, 0, ahead or 64)
         whole(s[:, c0:], half, base16, 0, 0)
         assert np.array_equal(got16[:full].view(np.uint32), base16[:full].view(np.uint32))
+        # every row, those left over (rows % 4) too, against float64
+        want16 = acc0.astype(np.float64) + s[:, c0:].astype(np.float64) @ (
+            half.view(np.float16).astype(np.float64)
+        )
+        assert np.abs(got16 - want16).max() < 1e-4 * max(1.0, np.abs(want16).max())
         # the prefill's V pass (six rows at a time): the same sums, in the same order
         wide = acc0.copy()
         accumulate_outer(s, vb, wide, c0, -1)

@@ -41,7 +41,8 @@ __all__ = ["attend", "attend_serial", "attend_bshd", "append_attend", "append_at
 # positions scored per step of the online softmax, for a chunk of more than _FEW_ROWS
 # query rows (a prefill chunk): a block of K (or V) rows, 32 KiB of float32 at head_dim
 # 128, stays in L1/L2 while every query row of the group uses it. Also the piece of a
-# longer block that a 16-bit cache's V pass takes at a time on AVX-512 (_accumulate_block)
+# longer block that a 16-bit cache's V pass takes at a time (_accumulate_block), except
+# for rows one after another where vectors are narrower than AVX-512's (pieces of 32)
 _BLOCK = 64
 # query rows per chunk (group x queries): 128 rows of accumulators at head_dim 128 are
 # 64 KiB, which stay in L2 while the chunk walks the cache

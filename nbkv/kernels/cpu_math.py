@@ -309,8 +309,9 @@ def touch_rows(x):
     On the Zen 2 guest of 2026-12-06 (AVX2, 8-lane vectors) the V pass reads a block of
     float32 rows in eight passes of one 64-byte line per row (its accumulators must fit 16
     registers), a stride of 512 bytes that memory served at 7.4 GB/s a thread against
-    18 GB/s for the same bytes read in order; software prefetches changed nothing there
-    (:data:`PREFETCH_LOCALITY` 0, 1 or 3, distances 16 to 256 rows). Read in pieces of 64
+    18 GB/s for the same bytes read in order; software prefetches of each pass's own line
+    of the rows ahead changed nothing there (:data:`PREFETCH_LOCALITY` 0, 1 or 3,
+    distances 16 to 256 rows). Read in pieces of 64
     rows, each first touched by this, the 32k float32 decode step took 14.1 ms against
     17.1 (``benchmarks/README.md``, "On an AMD EPYC Zen 2"). The paged kernels' runs
     still read their pages' rows this way; the contiguous kernel's V pass has since gone

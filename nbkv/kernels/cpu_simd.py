@@ -58,8 +58,10 @@ __all__ = [
     "tile_ok",
 ]
 
-# positions per piece of accumulate_lines: 4 KiB of float32 rows at head_dim 128, whose
-# eight passes of a line each read it all before the next piece starts
+# positions per piece of accumulate_lines: 4 KiB of float32 rows at head_dim 128, which
+# its eight passes of a line together read before the next piece starts. Both pieces are
+# compiled into cpu_attention's cached functions: Numba's disk cache does not see them
+# change here, so touch cpu_attention.py with them (or delete the __pycache__ caches)
 LINE_PIECE = 8
 # positions per piece of accumulate_pieces: 8 KiB of 16-bit rows at head_dim 128
 SWEEP_PIECE = 32
@@ -272,10 +274,12 @@ def accumulate_lines(s, vb, acc, c0, kind, ahead):
     order as one call over the whole block, bit for bit (the accumulators go to memory
     between pieces; ``tests/test_cpu_targets.py``). ``vb``: float32 rows (16-bit ones too,
     though their passes are slower this way than a whole block's: the kernels do not send
-    them); ``tile_ok`` must hold for ``(acc, vb)``. Mutates ``acc``.
+    them); :func:`tile_ok` must hold for ``(acc, vb)`` (head_dim a multiple of 16: the
+    passes cover ``dim // 16`` lines). Unlike :func:`accumulate_rows`, ``ahead`` 0 is no
+    exception: it asks for the piece's own rows. Mutates ``acc``.
 
     On the Zen 3 guest of 2026-12-07 the 32k float32 decode step's share of a plain read
-    of K and V rose this way in eight paired runs of nine (0.73-0.80 to 0.79-0.89), against
+    of K and V rose this way in eight paired runs of nine (0.71-0.80 to 0.79-0.89), against
     each piece of 64 rows first read in memory order and then passed over from L1 (its
     reads and arithmetic took turns); pieces of 8 with rows 8-16 ahead did better than
     pieces of 4 or 16 and rows 24-32 ahead (benchmarks/README.md, "The Zen 3 guest again:
@@ -310,11 +314,12 @@ def accumulate_pieces(s, vb, acc, c0, kind):
     """:func:`accumulate_sweep` for every four of ``acc``'s rows (``rows - rows % 4`` of
     them) over ``vb`` in pieces of :data:`SWEEP_PIECE` positions, each piece's first four
     rows sweeping the next piece into the caches as they go: 16-bit rows stored one after
-    another (``vb``'s row stride its row's bytes), where the vectors are narrower than
-    AVX-512's. The same sums in the same order as one :func:`accumulate_rows` over the
-    whole block, bit for bit (``tests/test_cpu_targets.py``). Mutates ``acc``.
+    another (:func:`packed`), where the vectors are narrower than AVX-512's; as for
+    :func:`accumulate_rows`, :func:`tile_ok` must hold for ``(acc, vb)``. The same sums
+    in the same order as one :func:`accumulate_rows` over the whole block, bit for bit
+    (``tests/test_cpu_simd.py``, ``tests/test_cpu_targets.py``). Mutates ``acc``.
 
-    On the Zen 3 guest of 2026-12-07 a float16 V pass alone over 8 heads x 32k took 3.4-4.4
+    On the Zen 3 guest of 2026-12-07 a float16 V pass alone over 8 heads x 32k took 3.4-4.8
     ms this way (pieces of 16 to 64, the next one or two swept) against 5.1-6.1 in pieces
     of 64 whose passes each prefetched their own line of the row 64 on, the way it went
     before (the read of the same bytes: 2.7-3.0 ms). For float32 rows

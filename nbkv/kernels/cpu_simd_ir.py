@@ -227,7 +227,9 @@ def tile_loops(g, krows, far):
 
 def accumulate_codegen(fmt, chunks, context, builder, signature, args, rows=TILE, sweep=False):
     """The IR of :func:`~nbkv.kernels.cpu_simd.accumulate_rows` (``rows`` rows from
-    ``r``: 4 there, 1 to 6 for :func:`nbkv.kernels.cpu_prefill.accumulate_outer`): two
+    ``r``: 4 there, 1 to 6 for :func:`nbkv.kernels.cpu_prefill.accumulate_outer`; with
+    ``sweep``, of :func:`~nbkv.kernels.cpu_simd.accumulate_sweep`, whose prefetches sweep
+    the ``nb`` rows from ``ahead`` on instead of each pass's line of row ``j + ahead``): two
     copies of its loops, with prefetches and without, chosen once by ``ahead`` (no test
     inside them)."""
     sty, rty, vty, nty, aty, cty, hty = signature.args
